@@ -1,0 +1,65 @@
+// The op: rotate q and k heads with RoPE and write rotated k and v into a slot-indexed
+// KV-cache pool, in one pass (SPEC §1-§3).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "ropepool/tensor.hpp"
+
+namespace ropepool {
+
+/// The caller's arguments. Every tensor lives on one device; `q_out`/`k_out` are
+/// caller-allocated outputs with the shapes of `q`/`k` (the library never allocates).
+struct RopePoolTensors {
+  TensorView q;          ///< [T, Hq, D], float32 / float16 / bfloat16
+  TensorView k;          ///< [T, Hk, D], same dtype
+  TensorView v;          ///< [T, Hk, D], same dtype
+  TensorView positions;  ///< [T], int32 or int64
+  TensorView slots;      ///< [T], int32 or int64; negative = no pool write
+  TensorView k_pool;     ///< [P, Hk, D], updated in place
+  TensorView v_pool;     ///< [P, Hk, D], updated in place
+  TensorView q_out;      ///< [T, Hq, D], receives q_rot
+  TensorView k_out;      ///< [T, Hk, D], receives k_rot
+};
+
+/// Keyword parameters of SPEC §1.
+struct RopePoolParams {
+  int64_t head_dim = 0;      ///< D, even and > 0
+  int64_t num_qo_heads = 0;  ///< Hq
+  int64_t num_kv_heads = 0;  ///< Hk
+  double rope_base = 10000;  ///< > 0 and finite
+};
+
+/// Which argument a shape in a message belongs to (for ShapeFormatter).
+enum class Arg : uint8_t { q, k, v, positions, slots, k_pool, v_pool, q_out, k_out };
+
+/// Prints a tensor's shape the way the caller's framework does ("torch.Size([2, 8, 128])",
+/// "(2, 8, 128)"). The default prints "[2, 8, 128]".
+using ShapeFormatter = std::function<std::string(Arg, const TensorView&)>;
+
+struct CallOptions {
+  /// Strict slot checking: also reject two tokens with the same slot. On CUDA it also
+  /// makes the call wait for the kernel and raise an out-of-range slot at once.
+  bool check_slots = false;
+  /// cudaStream_t to run on (CUDA only); nullptr = the legacy default stream.
+  void* stream = nullptr;
+  ShapeFormatter format_shape;
+};
+
+/// Runs the op. Validates everything first (SPEC §2 order and messages) and throws
+/// ropepool::Error before writing anything. On CPU the call is synchronous.
+void rope_pool_fused(const RopePoolTensors& tensors, const RopePoolParams& params,
+                     const CallOptions& options = {});
+
+/// Only the validation of rope_pool_fused (no slot scan on CUDA tensors): throws the same
+/// ropepool::Error the op would, writes nothing.
+void validate_rope_pool(const RopePoolTensors& tensors, const RopePoolParams& params,
+                        const CallOptions& options = {});
+
+/// Number of CPU worker threads (default: ROPEPOOL_NUM_THREADS or all hardware threads).
+int cpu_num_threads();
+void set_cpu_num_threads(int n);
+
+}  // namespace ropepool

@@ -1,0 +1,53 @@
+// Kernel-facing parameters: what validation hands a backend. Everything here has been
+// checked already (shapes, dtypes, layout, slot range on CPU); backends only assert.
+#pragma once
+
+#include <cstdint>
+
+#include "ropepool/tensor.hpp"
+
+namespace ropepool::detail {
+
+/// Pointer + strides (in elements) of one [rows, heads, D] tensor whose last dimension is
+/// contiguous.
+struct Rows {
+  void* data = nullptr;
+  int64_t row_stride = 0;   // between tokens (or pool slots)
+  int64_t head_stride = 0;  // between heads
+};
+
+struct Index {
+  const void* data = nullptr;
+  int64_t stride = 1;
+  bool is_int64 = false;
+  int64_t operator[](int64_t t) const {
+    return is_int64 ? static_cast<const int64_t*>(data)[t * stride]
+                    : static_cast<const int32_t*>(data)[t * stride];
+  }
+};
+
+struct RopePoolProblem {
+  DType dtype = DType::Float32;
+  int64_t num_tokens = 0;
+  int64_t num_qo_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t rotary_dim = 0;   // R <= head_dim; elements >= R are copied
+  int64_t pool_size = 0;
+  Rows q, k, v, q_out, k_out, k_pool, v_pool;
+  Index positions, slots;
+  const double* inv_freq = nullptr;  // R/2 entries, host memory
+  double attention_scaling = 1.0;
+  bool check_slots = false;
+  void* stream = nullptr;
+};
+
+/// CPU backend: synchronous. Expects slots already range-checked (and, with
+/// check_slots, free of duplicates).
+void rope_pool_cpu(const RopePoolProblem& problem);
+
+/// CUDA backend (built when ROPEPOOL_WITH_CUDA): asynchronous on problem.stream.
+void rope_pool_cuda(const RopePoolProblem& problem);
+bool cuda_backend_available();
+
+}  // namespace ropepool::detail

@@ -1,0 +1,10 @@
+// Built when the CUDA backend is off: CUDA tensors are rejected during validation.
+#include "../backend.hpp"
+#include "ropepool/error.hpp"
+
+namespace ropepool::detail {
+bool cuda_backend_available() { return false; }
+void rope_pool_cuda(const RopePoolProblem&) {
+  throw BackendError("rope_pool_fused: ropepool was built without its CUDA backend");
+}
+}  // namespace ropepool::detail

@@ -1,0 +1,113 @@
+// The float64 reference: plain loops, no threading, no SIMD. Tests and the CLI compare
+// every backend against it.
+#include "ropepool/reference.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "ropepool/half.hpp"
+
+namespace ropepool::reference {
+namespace {
+
+void* element(const TensorView& x, int64_t t, int64_t h, int64_t d) {
+  const int64_t off = t * x.strides[0] + h * x.strides[1] + d * x.strides[2];
+  return static_cast<char*>(x.data) + off * int64_t(dtype_size(x.dtype));
+}
+
+void store(const TensorView& x, int64_t t, int64_t h, int64_t d, double value) {
+  void* p = element(x, t, h, d);
+  const float f = static_cast<float>(value);
+  switch (x.dtype) {
+    case DType::Float32: *static_cast<float*>(p) = f; break;
+    // double -> float -> half can round twice; the float step keeps 13 extra bits, so
+    // the result differs from a single rounding only on exact float ties (never for
+    // rotated values in practice) and stays within the SPEC bound regardless.
+    case DType::Float16: *static_cast<uint16_t*>(p) = float_to_half(f); break;
+    case DType::BFloat16: *static_cast<uint16_t*>(p) = float_to_bf16(f); break;
+    default: break;
+  }
+}
+
+void copy_row(const TensorView& from, int64_t t, const TensorView& to, int64_t row, int64_t H,
+              int64_t D) {
+  const size_t es = dtype_size(from.dtype);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t d = 0; d < D; ++d)
+      std::memcpy(element(to, row, h, d), element(from, t, h, d), es);
+}
+
+}  // namespace
+
+double load(const TensorView& x, int64_t t, int64_t h, int64_t d) {
+  const void* p = element(x, t, h, d);
+  switch (x.dtype) {
+    case DType::Float32: return *static_cast<const float*>(p);
+    case DType::Float16: return half_to_float(*static_cast<const uint16_t*>(p));
+    case DType::BFloat16: return bf16_to_float(*static_cast<const uint16_t*>(p));
+    default: return 0;
+  }
+}
+
+int64_t load_index(const TensorView& x, int64_t t) {
+  const char* base = static_cast<const char*>(x.data);
+  if (x.dtype == DType::Int64) return *reinterpret_cast<const int64_t*>(base + 8 * t * x.strides[0]);
+  return *reinterpret_cast<const int32_t*>(base + 4 * t * x.strides[0]);
+}
+
+std::vector<double> rotate(const TensorView& x, const TensorView& positions,
+                           const RopeSchedule& schedule) {
+  const int64_t T = x.shape[0], H = x.shape[1], D = x.shape[2];
+  const int64_t half = schedule.rotary_dim / 2;
+  std::vector<double> out(static_cast<size_t>(T * H * D));
+  for (int64_t t = 0; t < T; ++t) {
+    const double pos = double(load_index(positions, t));
+    for (int64_t h = 0; h < H; ++h) {
+      double* o = &out[static_cast<size_t>((t * H + h) * D)];
+      for (int64_t i = 0; i < half; ++i) {
+        // pos * inv_freq is exact enough in double (relative error 2^-53, |theta| < 2^21)
+        const double theta = pos * schedule.inv_freq[i];
+        const double c = std::cos(theta) * schedule.attention_scaling;
+        const double s = std::sin(theta) * schedule.attention_scaling;
+        const double a = load(x, t, h, i), b = load(x, t, h, i + half);
+        o[i] = a * c - b * s;
+        o[i + half] = a * s + b * c;
+      }
+      for (int64_t d = schedule.rotary_dim; d < D; ++d) o[d] = load(x, t, h, d);
+    }
+  }
+  return out;
+}
+
+void rope_pool_fused(const RopePoolTensors& t, const RopePoolParams& params) {
+  const RopeSchedule schedule = make_rope_schedule(params);
+  const int64_t T = t.q.shape[0], Hq = t.q.shape[1], Hk = t.k.shape[1], D = t.q.shape[2];
+  const std::vector<double> q_rot = rotate(t.q, t.positions, schedule);
+  const std::vector<double> k_rot = rotate(t.k, t.positions, schedule);
+  for (int64_t i = 0; i < T; ++i) {
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t d = 0; d < D; ++d) store(t.q_out, i, h, d, q_rot[size_t((i * Hq + h) * D + d)]);
+    for (int64_t h = 0; h < Hk; ++h)
+      for (int64_t d = 0; d < D; ++d) store(t.k_out, i, h, d, k_rot[size_t((i * Hk + h) * D + d)]);
+  }
+  for (int64_t i = 0; i < T; ++i) {
+    const int64_t slot = load_index(t.slots, i);
+    if (slot < 0) continue;
+    copy_row(t.k_out, i, t.k_pool, slot, Hk, D);
+    copy_row(t.v, i, t.v_pool, slot, Hk, D);
+  }
+}
+
+double tolerance(DType dtype, double exact, double abs_a_plus_b) {
+  // One unit in the last place of `exact` in the output format.
+  const int mant_bits = dtype == DType::Float32 ? 23 : dtype == DType::Float16 ? 10 : 7;
+  const int min_exp = dtype == DType::Float16 ? -14 : -126;
+  int e = 0;
+  std::frexp(exact, &e);  // exact = m * 2^e, m in [0.5, 1)
+  const int exp = std::max(e - 1, min_exp);
+  const double ulp = std::ldexp(1.0, exp - mant_bits);
+  return ulp + std::ldexp(abs_a_plus_b, -18);
+}
+
+}  // namespace ropepool::reference

@@ -1,0 +1,268 @@
+// Validation and dispatch of rope_pool_fused: the one place that decides whether a call is
+// valid (SPEC §2, §3). Backends receive a checked RopePoolProblem and only assert.
+#include <algorithm>
+#include <cmath>
+#include <utility>
+#include <vector>
+
+#include "backend.hpp"
+#include "ropepool/error.hpp"
+#include "ropepool/rope_pool.hpp"
+#include "ropepool/schedule.hpp"
+
+namespace ropepool {
+namespace {
+
+const char* arg_name(Arg a) {
+  switch (a) {
+    case Arg::q: return "q";
+    case Arg::k: return "k";
+    case Arg::v: return "v";
+    case Arg::positions: return "positions";
+    case Arg::slots: return "slots";
+    case Arg::k_pool: return "k_pool";
+    case Arg::v_pool: return "v_pool";
+    case Arg::q_out: return "q_out";
+    case Arg::k_out: return "k_out";
+  }
+  return "?";
+}
+
+struct Checker {
+  const RopePoolTensors& t;
+  const RopePoolParams& p;
+  const CallOptions& o;
+
+  std::string shape(Arg a, const TensorView& v) const {
+    return o.format_shape ? o.format_shape(a, v) : format_shape(v);
+  }
+
+  [[noreturn]] static void fail(const std::string& message, std::string hint = {}) {
+    throw Error(message, std::move(hint));
+  }
+
+  static std::string pool_hint(const TensorView& pool) {
+    if (pool.ndim == 4)
+      return "a layer-stacked pool [L, P, H, D] must be indexed as `k_pool[layer]`";
+    if (pool.ndim == 2) return "a flat pool [P, H*D] must be viewed as `[P, H, D]`";
+    return {};
+  }
+
+  // SPEC §2 checks 1-11, in order, with the exact contract messages.
+  void contract() const {
+    if (t.q.ndim != 3 || t.k.ndim != 3 || t.v.ndim != 3)
+      fail("rope_pool_fused expects q/k/v to be 3-D");
+    if (t.positions.ndim != 1 || t.slots.ndim != 1)
+      fail("rope_pool_fused expects positions/slots to be 1-D");
+    if (t.k_pool.ndim != 3 || t.v_pool.ndim != 3)
+      fail("rope_pool_fused expects pool tensors to be 3-D",
+           pool_hint(t.k_pool.ndim != 3 ? t.k_pool : t.v_pool));
+    const int64_t T = t.q.shape[0];
+    if (t.q.shape[1] != p.num_qo_heads || t.q.shape[2] != p.head_dim)
+      fail("q shape must be [num_tokens, num_qo_heads, head_dim], got " + shape(Arg::q, t.q));
+    if (t.k.shape[0] != T || t.k.shape[1] != p.num_kv_heads || t.k.shape[2] != p.head_dim)
+      fail("k shape must be [num_tokens, num_kv_heads, head_dim], got " + shape(Arg::k, t.k));
+    if (!same_shape(t.v, t.k))
+      fail("v shape must match k shape, got " + shape(Arg::v, t.v) + " vs " +
+           shape(Arg::k, t.k));
+    if (t.positions.shape[0] != T || t.slots.shape[0] != T)
+      fail("positions/slots must have one entry per token");
+    if (t.k_pool.shape[1] != p.num_kv_heads || t.k_pool.shape[2] != p.head_dim)
+      fail("k_pool has incompatible shape " + shape(Arg::k_pool, t.k_pool),
+           t.k_pool.shape[1] * t.k_pool.shape[2] == p.num_kv_heads * p.head_dim
+               ? "the pool's heads and head size are swapped or merged; view it as "
+                 "[P, num_kv_heads, head_dim]"
+               : "");
+    if (!same_shape(t.v_pool, t.k_pool))
+      fail("v_pool shape must match k_pool shape, got " + shape(Arg::v_pool, t.v_pool) +
+           " vs " + shape(Arg::k_pool, t.k_pool));
+    if (t.k.dtype != t.q.dtype || t.v.dtype != t.q.dtype) fail("q/k/v dtypes must match");
+    if (t.k_pool.dtype != t.q.dtype || t.v_pool.dtype != t.q.dtype)
+      fail("pool dtypes must match q/k/v dtype");
+  }
+
+  // The checks SPEC §2 lists after the contract ones, in its order.
+  void extended() const {
+    for (auto [a, v] : {std::pair{Arg::positions, &t.positions}, {Arg::slots, &t.slots}})
+      if (v->dtype != DType::Int32 && v->dtype != DType::Int64)
+        fail(std::string("rope_pool_fused: ") + arg_name(a) + " must be int32 or int64, got " +
+             dtype_name(v->dtype));
+    if (p.head_dim <= 0 || p.head_dim % 2 != 0)
+      fail("rope_pool_fused: head_dim must be even and > 0, got " +
+           std::to_string(p.head_dim));
+    if (p.num_qo_heads <= 0 || p.num_kv_heads <= 0)
+      fail("rope_pool_fused: num_qo_heads and num_kv_heads must be > 0, got " +
+           std::to_string(p.num_qo_heads) + " and " + std::to_string(p.num_kv_heads));
+    if (!(p.rope_base > 0) || !std::isfinite(p.rope_base))
+      fail("rope_pool_fused: rope_base must be finite and > 0, got " +
+           std::to_string(p.rope_base));
+    if (!is_float(t.q.dtype))
+      fail(std::string("rope_pool_fused: unsupported dtype ") + dtype_name(t.q.dtype) +
+           " for q/k/v/pools; expected float32, float16 or bfloat16");
+    devices();
+    outputs();
+    layouts();
+  }
+
+  void devices() const {
+    const Device d = t.q.device;
+    for (auto [a, v] : all())
+      if (!(v->device == d))
+        fail(std::string("rope_pool_fused: all tensors must be on one device, got q on ") +
+                 device_name(d) + " and " + arg_name(a) + " on " + device_name(v->device),
+             "move every tensor (the pools too) to the device the model runs on");
+    if (d.type == DeviceType::CUDA && !detail::cuda_backend_available())
+      fail("rope_pool_fused: tensors are on " + device_name(d) +
+               " but this build of ropepool has no CUDA backend",
+           "rebuild with CUDA (nvcc on PATH, -DROPEPOOL_WITH_CUDA=ON)");
+    if (d.type == DeviceType::Other)
+      fail("rope_pool_fused: unsupported device; expected cpu or cuda tensors");
+  }
+
+  // Caller-allocated outputs (the C++ API; the Python layer allocates them itself).
+  void outputs() const {
+    for (auto [a, out, in] : {std::tuple{Arg::q_out, &t.q_out, &t.q}, {Arg::k_out, &t.k_out, &t.k}})
+      if (!same_shape(*out, *in) || out->dtype != in->dtype)
+        fail(std::string("rope_pool_fused: ") + arg_name(a) + " must have the shape and dtype of " +
+             arg_name(a == Arg::q_out ? Arg::q : Arg::k) + ", got " + shape(a, *out) + " " +
+             dtype_name(out->dtype));
+  }
+
+  void layouts() const {
+    for (auto [a, v] : all()) {
+      if (v->ndim != 3) continue;
+      if (v->shape[2] > 1 && v->strides[2] != 1)
+        fail(std::string("rope_pool_fused: ") + arg_name(a) +
+                 " must have a contiguous last dimension (stride 1), got strides " +
+                 strides_str(*v),
+             "pass a view whose head_dim axis is contiguous, e.g. x.contiguous()");
+    }
+    // Everything the op writes must have one memory location per element, or rows written
+    // by different tokens/heads would clobber each other.
+    for (auto [a, v] : {std::pair{Arg::q_out, &t.q_out}, {Arg::k_out, &t.k_out},
+                        {Arg::k_pool, &t.k_pool}, {Arg::v_pool, &t.v_pool}})
+      if (!non_overlapping(*v))
+        fail(std::string("rope_pool_fused: ") + arg_name(a) +
+             " has overlapping or negative strides " + strides_str(*v) +
+             "; every element it receives needs its own memory");
+  }
+
+  std::vector<std::pair<Arg, const TensorView*>> all() const {
+    return {{Arg::q, &t.q},           {Arg::k, &t.k},         {Arg::v, &t.v},
+            {Arg::positions, &t.positions}, {Arg::slots, &t.slots}, {Arg::k_pool, &t.k_pool},
+            {Arg::v_pool, &t.v_pool}, {Arg::q_out, &t.q_out}, {Arg::k_out, &t.k_out}};
+  }
+
+  static bool same_shape(const TensorView& a, const TensorView& b) {
+    if (a.ndim != b.ndim) return false;
+    for (int i = 0; i < a.ndim; ++i)
+      if (a.shape[i] != b.shape[i]) return false;
+    return true;
+  }
+
+  static std::string strides_str(const TensorView& v) {
+    std::string s = "(";
+    for (int i = 0; i < v.ndim; ++i) s += (i ? ", " : "") + std::to_string(v.strides[i]);
+    return s + ")";
+  }
+
+  // [rows, heads, D] with unit last stride: dims of extent > 1, taken by increasing stride,
+  // must each step over everything the smaller dims span.
+  static bool non_overlapping(const TensorView& v) {
+    if (v.numel() == 0) return true;
+    std::pair<int64_t, int64_t> dims[2];  // (stride, extent)
+    int n = 0;
+    for (int i = 0; i < 2; ++i)
+      if (v.shape[i] > 1) {
+        if (v.strides[i] <= 0) return false;
+        dims[n++] = {v.strides[i], v.shape[i]};
+      }
+    std::sort(dims, dims + n);
+    int64_t span = v.shape[2];
+    for (int i = 0; i < n; ++i) {
+      if (dims[i].first < span) return false;
+      span = dims[i].first * (dims[i].second - 1) + span;
+    }
+    return true;
+  }
+
+  // SPEC §3 on the host (CPU tensors): the first out-of-range slot, and with strict
+  // checking the first repeated one, are rejected before anything is written.
+  void slot_range(const detail::Index& slots, int64_t T, int64_t P) const {
+    for (int64_t i = 0; i < T; ++i) {
+      const int64_t s = slots[i];
+      if (s >= P)
+        fail("rope_pool_fused: slots[" + std::to_string(i) + "] = " + std::to_string(s) +
+                 " is out of range for a pool of " + std::to_string(P) + " slots",
+             "slots index rows of k_pool/v_pool; use a negative slot to skip a token");
+    }
+    if (!o.check_slots) return;
+    std::vector<std::pair<int64_t, int64_t>> seen;  // (slot, token): grows with T, not P
+    seen.reserve(T);
+    for (int64_t i = 0; i < T; ++i)
+      if (slots[i] >= 0) seen.emplace_back(slots[i], i);
+    std::sort(seen.begin(), seen.end());
+    for (size_t i = 1; i < seen.size(); ++i)
+      if (seen[i].first == seen[i - 1].first)
+        fail("rope_pool_fused: slots[" + std::to_string(seen[i].second) + "] = " +
+             std::to_string(seen[i].first) + " repeats slots[" +
+             std::to_string(seen[i - 1].second) + "]; with check_slots each slot may be "
+             "written once per call");
+  }
+};
+
+detail::Rows rows(const TensorView& v) { return {v.data, v.strides[0], v.strides[1]}; }
+detail::Index index(const TensorView& v) {
+  return {v.data, v.strides[0], v.dtype == DType::Int64};
+}
+
+detail::RopePoolProblem check(const RopePoolTensors& t, const RopePoolParams& p,
+                              const CallOptions& o) {
+  Checker c{t, p, o};
+  c.contract();
+  c.extended();
+  detail::RopePoolProblem problem;
+  problem.dtype = t.q.dtype;
+  problem.num_tokens = t.q.shape[0];
+  problem.num_qo_heads = p.num_qo_heads;
+  problem.num_kv_heads = p.num_kv_heads;
+  problem.head_dim = p.head_dim;
+  problem.pool_size = t.k_pool.shape[0];
+  problem.q = rows(t.q);
+  problem.k = rows(t.k);
+  problem.v = rows(t.v);
+  problem.q_out = rows(t.q_out);
+  problem.k_out = rows(t.k_out);
+  problem.k_pool = rows(t.k_pool);
+  problem.v_pool = rows(t.v_pool);
+  problem.positions = index(t.positions);
+  problem.slots = index(t.slots);
+  problem.check_slots = o.check_slots;
+  problem.stream = o.stream;
+  if (t.q.device.type == DeviceType::CPU)
+    c.slot_range(problem.slots, problem.num_tokens, problem.pool_size);
+  return problem;
+}
+
+}  // namespace
+
+void validate_rope_pool(const RopePoolTensors& tensors, const RopePoolParams& params,
+                        const CallOptions& options) {
+  check(tensors, params, options);
+}
+
+void rope_pool_fused(const RopePoolTensors& tensors, const RopePoolParams& params,
+                     const CallOptions& options) {
+  detail::RopePoolProblem problem = check(tensors, params, options);
+  if (problem.num_tokens == 0) return;
+  const RopeSchedule schedule = make_rope_schedule(params);
+  problem.rotary_dim = schedule.rotary_dim;
+  problem.inv_freq = schedule.inv_freq.data();
+  problem.attention_scaling = schedule.attention_scaling;
+  if (tensors.q.device.type == DeviceType::CUDA)
+    detail::rope_pool_cuda(problem);
+  else
+    detail::rope_pool_cpu(problem);
+}
+
+}  // namespace ropepool
