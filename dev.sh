@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# ropepool developer entry point. Does all set-up on a fresh Debian 12 machine (apt packages,
+# a virtual environment in .venv, CMake builds) and then:
+#   ./dev.sh bench   build and run `ropepool bench` (the default workload)
+#   ./dev.sh test    build everything and run every test (C++, C++ under ASan+UBSan, Python,
+#                    CUDA backend compile check, `ropepool verify`)
+set -euo pipefail
+cd "$(dirname "$0")"
+ROOT=$PWD
+JOBS=${JOBS:-$(nproc)}
+
+log() { printf '\n=== %s\n' "$*"; }
+
+apt_deps() {
+  local need=()
+  for pkg in cmake g++ libhwy-dev libgtest-dev python3-venv; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+  done
+  if ((${#need[@]})); then
+    log "installing Debian packages: ${need[*]}"
+    local sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}"
+  fi
+}
+
+venv() {
+  local stamp=.venv/.requirements
+  if [ ! -x .venv/bin/python ] || ! cmp -s requirements-dev.txt "$stamp"; then
+    log "creating .venv with requirements-dev.txt (PyTorch pulls in large CUDA wheels once)"
+    python3 -m venv .venv
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q -r requirements-dev.txt
+    cp requirements-dev.txt "$stamp"
+  fi
+}
+
+cmake_build() {  # dir, extra cmake args...
+  local dir=$1; shift
+  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
+  cmake --build "$dir" -j "$JOBS"
+}
+
+case "${1:-}" in
+  bench)
+    shift
+    apt_deps
+    log "building (Release)"
+    cmake_build build -DROPEPOOL_WITH_CUDA=OFF -DROPEPOOL_BUILD_TESTS=OFF
+    log "ropepool bench $*"
+    ./build/ropepool bench "$@"
+    ;;
+  test)
+    apt_deps
+    venv
+    log "C++ build + GoogleTest"
+    cmake_build build -DROPEPOOL_WITH_CUDA=OFF
+    ctest --test-dir build --output-on-failure -j "$JOBS"
+    log "ropepool verify"
+    ./build/ropepool verify
+    log "C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
+    cmake_build build-asan -DROPEPOOL_WITH_CUDA=OFF -DROPEPOOL_SANITIZE=ON -DROPEPOOL_BUILD_CLI=OFF \
+      -DCMAKE_BUILD_TYPE=RelWithDebInfo
+    ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+      ctest --test-dir build-asan --output-on-failure -j "$JOBS"
+    if command -v nvcc >/dev/null 2>&1; then
+      log "CUDA backend compile check (sm_90; no GPU needed)"
+      cmake_build build-cuda-check -DROPEPOOL_WITH_CUDA=ON -DROPEPOOL_BUILD_TESTS=OFF
+    else
+      log "nvcc not found: CUDA backend compile check skipped"
+    fi
+    log "Python package + pytest"
+    .venv/bin/python -m pip install -q --no-build-isolation --no-deps .
+    .venv/bin/python -m pytest tests/python -q
+    ;;
+  *)
+    echo "usage: ./dev.sh bench [ropepool bench options] | ./dev.sh test" >&2
+    exit 2
+    ;;
+esac
