@@ -33,6 +33,7 @@ struct RopePoolProblem {
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
   int64_t rotary_dim = 0;   // R <= head_dim; elements >= R are copied
+  bool interleaved = false; // GPT-J pairs (2i, 2i+1) instead of NeoX (i, i + R/2)
   int64_t pool_size = 0;
   Rows q, k, v, q_out, k_out, k_pool, v_pool;
   Index positions, slots;

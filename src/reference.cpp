@@ -57,7 +57,7 @@ int64_t load_index(const TensorView& x, int64_t t) {
 }
 
 std::vector<double> rotate(const TensorView& x, const TensorView& positions,
-                           const RopeSchedule& schedule) {
+                           const RopeSchedule& schedule, bool interleaved) {
   const int64_t T = x.shape[0], H = x.shape[1], D = x.shape[2];
   const int64_t half = schedule.rotary_dim / 2;
   std::vector<double> out(static_cast<size_t>(T * H * D));
@@ -70,9 +70,11 @@ std::vector<double> rotate(const TensorView& x, const TensorView& positions,
         const double theta = pos * schedule.inv_freq[i];
         const double c = std::cos(theta) * schedule.attention_scaling;
         const double s = std::sin(theta) * schedule.attention_scaling;
-        const double a = load(x, t, h, i), b = load(x, t, h, i + half);
-        o[i] = a * c - b * s;
-        o[i + half] = a * s + b * c;
+        // the pair (a, b): half-split (i, i + R/2) or GPT-J interleaved (2i, 2i + 1)
+        const int64_t ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
+        const double a = load(x, t, h, ia), b = load(x, t, h, ib);
+        o[ia] = a * c - b * s;
+        o[ib] = a * s + b * c;
       }
       for (int64_t d = schedule.rotary_dim; d < D; ++d) o[d] = load(x, t, h, d);
     }
@@ -83,8 +85,9 @@ std::vector<double> rotate(const TensorView& x, const TensorView& positions,
 void rope_pool_fused(const RopePoolTensors& t, const RopePoolParams& params) {
   const RopeSchedule schedule = make_rope_schedule(params);
   const int64_t T = t.q.shape[0], Hq = t.q.shape[1], Hk = t.k.shape[1], D = t.q.shape[2];
-  const std::vector<double> q_rot = rotate(t.q, t.positions, schedule);
-  const std::vector<double> k_rot = rotate(t.k, t.positions, schedule);
+  // both rotations are complete before any store, so q_out/k_out may alias q/k (in place)
+  const std::vector<double> q_rot = rotate(t.q, t.positions, schedule, params.interleaved);
+  const std::vector<double> k_rot = rotate(t.k, t.positions, schedule, params.interleaved);
   for (int64_t i = 0; i < T; ++i) {
     for (int64_t h = 0; h < Hq; ++h)
       for (int64_t d = 0; d < D; ++d) store(t.q_out, i, h, d, q_rot[size_t((i * Hq + h) * D + d)]);

@@ -96,12 +96,31 @@ struct Checker {
     if (!(p.rope_base > 0) || !std::isfinite(p.rope_base))
       fail("rope_pool_fused: rope_base must be finite and > 0, got " +
            std::to_string(p.rope_base));
+    rope_variant();
     if (!is_float(t.q.dtype))
       fail(std::string("rope_pool_fused: unsupported dtype ") + dtype_name(t.q.dtype) +
            " for q/k/v/pools; expected float32, float16 or bfloat16");
     devices();
     outputs();
     layouts();
+  }
+
+  // SPEC §4 keyword arguments (rotary_dim, inv_freq); rope_scaling values are checked
+  // where the schedule is made (make_rope_schedule), also before anything is written.
+  void rope_variant() const {
+    if (p.rotary_dim != 0 && (p.rotary_dim < 0 || p.rotary_dim % 2 != 0 || p.rotary_dim > p.head_dim))
+      fail("rope_pool_fused: rotary_dim must be even and in (0, head_dim = " +
+           std::to_string(p.head_dim) + "], got " + std::to_string(p.rotary_dim));
+    const TensorView& f = p.inv_freq;
+    if (!f.data) return;
+    const int64_t half = (p.rotary_dim ? p.rotary_dim : p.head_dim) / 2;
+    if (f.ndim != 1 || f.shape[0] != half || f.dtype != DType::Float32)
+      fail("rope_pool_fused: inv_freq must be a 1-D float32 tensor of rotary_dim/2 = " +
+           std::to_string(half) + " entries, got " + dtype_name(f.dtype) + " " + format_shape(f));
+    if (f.device.type != DeviceType::CPU)
+      fail("rope_pool_fused: inv_freq must be in host (CPU) memory, got " + device_name(f.device),
+           "the schedule is read on the host once per call; keep a CPU copy (inv_freq.cpu()) "
+           "made at model load, so no call synchronises the device");
   }
 
   void devices() const {
@@ -216,12 +235,19 @@ detail::Index index(const TensorView& v) {
   return {v.data, v.strides[0], v.dtype == DType::Int64};
 }
 
-detail::RopePoolProblem check(const RopePoolTensors& t, const RopePoolParams& p,
-                              const CallOptions& o) {
+// Everything a call needs, checked: the kernel-facing problem and the schedule it points to.
+struct Checked {
+  detail::RopePoolProblem problem;
+  RopeSchedule schedule;
+};
+
+Checked check(const RopePoolTensors& t, const RopePoolParams& p, const CallOptions& o) {
   Checker c{t, p, o};
   c.contract();
   c.extended();
-  detail::RopePoolProblem problem;
+  Checked out;
+  out.schedule = make_rope_schedule(p);
+  detail::RopePoolProblem& problem = out.problem;
   problem.dtype = t.q.dtype;
   problem.num_tokens = t.q.shape[0];
   problem.num_qo_heads = p.num_qo_heads;
@@ -239,9 +265,13 @@ detail::RopePoolProblem check(const RopePoolTensors& t, const RopePoolParams& p,
   problem.slots = index(t.slots);
   problem.check_slots = o.check_slots;
   problem.stream = o.stream;
+  problem.interleaved = p.interleaved;
+  problem.rotary_dim = out.schedule.rotary_dim;
+  problem.inv_freq = out.schedule.inv_freq.data();
+  problem.attention_scaling = out.schedule.attention_scaling;
   if (t.q.device.type == DeviceType::CPU)
     c.slot_range(problem.slots, problem.num_tokens, problem.pool_size);
-  return problem;
+  return out;
 }
 
 }  // namespace
@@ -253,12 +283,9 @@ void validate_rope_pool(const RopePoolTensors& tensors, const RopePoolParams& pa
 
 void rope_pool_fused(const RopePoolTensors& tensors, const RopePoolParams& params,
                      const CallOptions& options) {
-  detail::RopePoolProblem problem = check(tensors, params, options);
+  const Checked checked = check(tensors, params, options);
+  const detail::RopePoolProblem& problem = checked.problem;
   if (problem.num_tokens == 0) return;
-  const RopeSchedule schedule = make_rope_schedule(params);
-  problem.rotary_dim = schedule.rotary_dim;
-  problem.inv_freq = schedule.inv_freq.data();
-  problem.attention_scaling = schedule.attention_scaling;
   if (tensors.q.device.type == DeviceType::CUDA)
     detail::rope_pool_cuda(problem);
   else

@@ -1,19 +1,212 @@
+// The RoPE frequency schedule: inverse frequencies and attention factor for every variant.
+// The one definition every backend and the reference use. Formulas follow transformers'
+// ROPE_INIT_FUNCTIONS (modeling_rope_utils.py), evaluated in double instead of float32:
+// at position 2^20 a float32 inv_freq is off by up to ~0.06 rad, far outside SPEC §1.
 #include "ropepool/schedule.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <numbers>
+#include <string>
+
+#include "ropepool/error.hpp"
 
 namespace ropepool {
+namespace {
+
+[[noreturn]] void fail(const std::string& message, std::string hint = {}) {
+  throw Error("rope_pool_fused: " + message, std::move(hint));
+}
+
+std::string num(double x) {
+  std::string s = std::to_string(x);
+  s.erase(s.find_last_not_of('0') + 1);
+  if (!s.empty() && s.back() == '.') s.pop_back();
+  return s;
+}
+
+// base ** (-2i / R) for i in [0, R/2)
+std::vector<double> default_inv_freq(double base, int64_t R) {
+  std::vector<double> f(static_cast<size_t>(R / 2));
+  for (int64_t i = 0; i < R / 2; ++i) f[i] = std::pow(base, -2.0 * double(i) / double(R));
+  return f;
+}
+
+void require_positive(const char* type, const char* field, double value) {
+  if (!(value > 0) || !std::isfinite(value))
+    fail(std::string("rope_scaling '") + type + "' needs " + field + " > 0, got " + num(value));
+}
+
+int64_t require_length(const char* type, const char* field, const std::optional<int64_t>& v) {
+  if (!v)
+    fail(std::string("rope_scaling '") + type + "' needs " + field,
+         "pass it from the model config (config." + std::string(field) + ")");
+  if (*v <= 0)
+    fail(std::string("rope_scaling '") + type + "' needs " + field + " > 0, got " +
+         std::to_string(*v));
+  return *v;
+}
+
+// YaRN (arXiv 2309.00071): frequencies below the correction range are interpolated
+// (divided by factor), above it extrapolated (kept), linearly blended in between.
+void yarn(const RopeScaling& s, double base, int64_t R, RopeSchedule& out) {
+  const double factor = s.factor;
+  require_positive("yarn", "factor", factor);
+  const std::optional<int64_t> orig =
+      s.original_max_position_embeddings ? s.original_max_position_embeddings
+                                         : s.max_position_embeddings;
+  const double original_max =
+      double(require_length("yarn", "original_max_position_embeddings", orig));
+  auto get_mscale = [](double scale, double mscale) {
+    return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
+  };
+  if (s.attention_factor)
+    out.attention_scaling = *s.attention_factor;
+  else if (s.mscale && *s.mscale != 0 && s.mscale_all_dim && *s.mscale_all_dim != 0)
+    out.attention_scaling = get_mscale(factor, *s.mscale) / get_mscale(factor, *s.mscale_all_dim);
+  else
+    out.attention_scaling = get_mscale(factor, 1.0);
+  // transformers treats 0 / None alike here ("or 32")
+  const double beta_fast = s.beta_fast && *s.beta_fast != 0 ? *s.beta_fast : 32.0;
+  const double beta_slow = s.beta_slow && *s.beta_slow != 0 ? *s.beta_slow : 1.0;
+  const double dim = double(R);
+  auto correction_dim = [&](double rotations) {
+    return dim * std::log(original_max / (rotations * 2 * std::numbers::pi)) / (2 * std::log(base));
+  };
+  double low = correction_dim(beta_fast), high = correction_dim(beta_slow);
+  if (s.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, dim - 1);
+  if (low == high) high += 0.001;  // as transformers: avoid a zero-width ramp
+  out.inv_freq = default_inv_freq(base, R);
+  for (size_t i = 0; i < out.inv_freq.size(); ++i) {
+    const double ramp = std::clamp((double(i) - low) / (high - low), 0.0, 1.0);
+    const double extrapolation = 1.0 - ramp;
+    const double f = out.inv_freq[i];
+    out.inv_freq[i] = (f / factor) * (1.0 - extrapolation) + f * extrapolation;
+  }
+}
+
+// Llama 3.1: long wavelengths divided by factor, short ones kept, smooth blend between.
+void llama3(const RopeScaling& s, double base, int64_t R, RopeSchedule& out) {
+  require_positive("llama3", "factor", s.factor);
+  require_positive("llama3", "low_freq_factor", s.low_freq_factor);
+  require_positive("llama3", "high_freq_factor", s.high_freq_factor);
+  if (s.high_freq_factor == s.low_freq_factor)
+    fail("rope_scaling 'llama3' needs high_freq_factor != low_freq_factor");
+  const double old_context =
+      double(require_length("llama3", "original_max_position_embeddings",
+                            s.original_max_position_embeddings));
+  const double low_freq_wavelen = old_context / s.low_freq_factor;
+  const double high_freq_wavelen = old_context / s.high_freq_factor;
+  out.inv_freq = default_inv_freq(base, R);
+  for (double& f : out.inv_freq) {
+    const double wavelen = 2 * std::numbers::pi / f;
+    if (wavelen > low_freq_wavelen) {
+      f /= s.factor;
+    } else if (wavelen >= high_freq_wavelen) {
+      const double smooth =
+          (old_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+      f = (1 - smooth) * f / s.factor + smooth * f;
+    }
+  }
+}
+
+// LongRoPE (Phi-3): per-frequency rescale factors, long or short by sequence length.
+void longrope(const RopeScaling& s, double base, int64_t R, RopeSchedule& out) {
+  const int64_t max_pos =
+      require_length("longrope", "max_position_embeddings", s.max_position_embeddings);
+  const int64_t seq_len = require_length("longrope", "seq_len", s.seq_len);
+  double factor = s.factor;
+  int64_t original_max = max_pos;
+  if (s.original_max_position_embeddings) {
+    original_max = require_length("longrope", "original_max_position_embeddings",
+                                  s.original_max_position_embeddings);
+    factor = double(max_pos) / double(original_max);
+  }
+  if (s.attention_factor)
+    out.attention_scaling = *s.attention_factor;
+  else
+    out.attention_scaling =
+        factor <= 1.0 ? 1.0 : std::sqrt(1 + std::log(factor) / std::log(double(original_max)));
+  const bool use_long = seq_len > original_max;
+  const std::vector<double>& ext = use_long ? s.long_factor : s.short_factor;
+  if (int64_t(ext.size()) != R / 2)
+    fail(std::string("rope_scaling 'longrope' needs ") + (use_long ? "long_factor" : "short_factor") +
+         " with rotary_dim/2 = " + std::to_string(R / 2) + " entries, got " +
+         std::to_string(ext.size()));
+  out.inv_freq = default_inv_freq(base, R);
+  for (size_t i = 0; i < out.inv_freq.size(); ++i) {
+    require_positive("longrope", use_long ? "long_factor entries" : "short_factor entries", ext[i]);
+    out.inv_freq[i] /= ext[i];
+  }
+}
+
+}  // namespace
+
+const char* rope_type_name(RopeType type) {
+  switch (type) {
+    case RopeType::Default: return "default";
+    case RopeType::Linear: return "linear";
+    case RopeType::Dynamic: return "dynamic";
+    case RopeType::Yarn: return "yarn";
+    case RopeType::Llama3: return "llama3";
+    case RopeType::LongRope: return "longrope";
+  }
+  return "?";
+}
 
 RopeSchedule make_rope_schedule(const RopePoolParams& params) {
-  RopeSchedule s;
-  s.rotary_dim = params.head_dim;
-  const int64_t half = s.rotary_dim / 2;
-  s.inv_freq.resize(static_cast<size_t>(half));
-  // Double precision: at position 2^20 an inv_freq off by one float32 ulp moves the
-  // angle by ~0.06 rad, far outside the SPEC §1 bound.
-  for (int64_t i = 0; i < half; ++i)
-    s.inv_freq[i] = std::pow(params.rope_base, -2.0 * double(i) / double(s.rotary_dim));
-  return s;
+  RopeSchedule out;
+  const int64_t R = params.rotary_dim ? params.rotary_dim : params.head_dim;
+  out.rotary_dim = R;
+  const double base = params.rope_base;
+  const RopeScaling& s = params.rope_scaling;
+
+  if (params.inv_freq.data) {
+    // The escape hatch: the caller's float32 table, widened exactly to double.
+    const TensorView& t = params.inv_freq;
+    out.inv_freq.resize(static_cast<size_t>(R / 2));
+    for (int64_t i = 0; i < R / 2; ++i)
+      out.inv_freq[i] = static_cast<const float*>(t.data)[i * t.strides[0]];
+  } else {
+    switch (s.type) {
+      case RopeType::Default:
+        out.inv_freq = default_inv_freq(base, R);
+        break;
+      case RopeType::Linear:
+        require_positive("linear", "factor", s.factor);
+        out.inv_freq = default_inv_freq(base, R);
+        for (double& f : out.inv_freq) f /= s.factor;
+        break;
+      case RopeType::Dynamic: {
+        // NTK-aware: grow the base once the sequence outgrows the trained context.
+        require_positive("dynamic", "factor", s.factor);
+        const int64_t max_pos =
+            require_length("dynamic", "max_position_embeddings", s.max_position_embeddings);
+        const int64_t seq_len = std::max(require_length("dynamic", "seq_len", s.seq_len), max_pos);
+        if (R <= 2) fail("rope_scaling 'dynamic' needs rotary_dim > 2");
+        const double scaled = std::pow(s.factor * double(seq_len) / double(max_pos) - (s.factor - 1),
+                                       double(R) / double(R - 2));
+        out.inv_freq = default_inv_freq(base * scaled, R);
+        break;
+      }
+      case RopeType::Yarn: yarn(s, base, R, out); break;
+      case RopeType::Llama3: llama3(s, base, R, out); break;
+      case RopeType::LongRope: longrope(s, base, R, out); break;
+    }
+  }
+  if (params.attention_scaling) out.attention_scaling = *params.attention_scaling;
+  for (size_t i = 0; i < out.inv_freq.size(); ++i)
+    if (!std::isfinite(out.inv_freq[i]))
+      fail("the RoPE schedule gives a non-finite inv_freq[" + std::to_string(i) + "]",
+           "check rope_base and the rope_scaling values");
+  if (!std::isfinite(out.attention_scaling))
+    fail("attention_scaling must be finite, got " + num(out.attention_scaling));
+  return out;
 }
 
 }  // namespace ropepool

@@ -14,8 +14,9 @@ double load(const TensorView& x, int64_t t, int64_t h, int64_t d);
 int64_t load_index(const TensorView& x, int64_t t);
 
 /// The exact rotation of every element of x [T, H, D] (as read) in float64, row-major.
+/// Pairs are (i, i + R/2), or (2i, 2i + 1) when interleaved.
 std::vector<double> rotate(const TensorView& x, const TensorView& positions,
-                           const RopeSchedule& schedule);
+                           const RopeSchedule& schedule, bool interleaved = false);
 
 /// The op computed from `rotate`, each element rounded once to the tensors' dtype.
 /// Same contract as ropepool::rope_pool_fused, CPU tensors only, no threading.

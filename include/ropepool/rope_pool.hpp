@@ -4,8 +4,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 
+#include "ropepool/rope_scaling.hpp"
 #include "ropepool/tensor.hpp"
 
 namespace ropepool {
@@ -30,6 +32,16 @@ struct RopePoolParams {
   int64_t num_qo_heads = 0;  ///< Hq
   int64_t num_kv_heads = 0;  ///< Hk
   double rope_base = 10000;  ///< > 0 and finite
+
+  // SPEC §4 (all optional; the defaults give the seed behaviour).
+  int64_t rotary_dim = 0;     ///< R: rotate the first R elements (even, <= head_dim); 0 = head_dim
+  bool interleaved = false;   ///< GPT-J pairs (x[2i], x[2i+1]) instead of half-split (x[i], x[i+R/2])
+  RopeScaling rope_scaling;   ///< Hugging Face rope_scaling variants
+  /// Any other schedule: R/2 float32 inverse frequencies on the CPU (1-D). Replaces
+  /// rope_base/rope_scaling.
+  TensorView inv_freq;
+  /// Multiplies cos and sin; replaces the schedule's own attention factor when set.
+  std::optional<double> attention_scaling;
 };
 
 /// Which argument a shape in a message belongs to (for ShapeFormatter).
