@@ -58,6 +58,11 @@ case "${1:-}" in
     ctest --test-dir build --output-on-failure -j "$JOBS"
     log "ropepool verify"
     ./build/ropepool verify
+    log "install + the C++ example as a downstream find_package(ropepool) project"
+    cmake --install build --prefix build/install >/dev/null
+    cmake -S examples/cpp -B build/example -DCMAKE_PREFIX_PATH="$ROOT/build/install" >/dev/null
+    cmake --build build/example -j "$JOBS"
+    ./build/example/example
     log "C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
     cmake_build build-asan -DROPEPOOL_WITH_CUDA=OFF -DROPEPOOL_SANITIZE=ON -DROPEPOOL_BUILD_CLI=OFF \
       -DCMAKE_BUILD_TYPE=RelWithDebInfo
