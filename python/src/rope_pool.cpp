@@ -1,0 +1,182 @@
+// Binding of ropepool::rope_pool_fused. The Python layer (ropepool/_op.py) allocates
+// q_rot/k_rot with the caller's framework and calls `rope_pool_fused_into` here; this file
+// only turns arrays into TensorViews and hands them to the C++ op, which owns all
+// validation (SPEC §2), so every message comes from one place.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <array>
+#include <exception>
+#include <cstdint>
+#include <string>
+
+#include "bindings.hpp"
+#include "ropepool/error.hpp"
+#include "ropepool/rope_pool.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace ropepool::python {
+namespace {
+
+// Arrays are imported with nanobind's default (writable) ndarray, or read-only for the
+// inputs so that read-only NumPy arrays work as q/k/v/positions/slots. No dtype, shape or
+// device constraint: a constraint would make nanobind reject (or, with conversion, copy)
+// the argument before the C++ validation can say what is wrong in the SPEC's words.
+using ReadArray = nb::ndarray<nb::ro>;
+using WriteArray = nb::ndarray<>;
+
+constexpr std::array<const char*, 9> kArgNames = {"q",      "k",      "v",     "positions", "slots",
+                                                  "k_pool", "v_pool", "q_out", "k_out"};
+
+DType to_dtype(nb::dlpack::dtype dt) {
+  if (dt.lanes != 1) return DType::Other;
+  switch (static_cast<nb::dlpack::dtype_code>(dt.code)) {
+    case nb::dlpack::dtype_code::Float:
+      return dt.bits == 32 ? DType::Float32 : dt.bits == 16 ? DType::Float16 : DType::Other;
+    case nb::dlpack::dtype_code::Bfloat:
+      return dt.bits == 16 ? DType::BFloat16 : DType::Other;
+    case nb::dlpack::dtype_code::Int:
+      return dt.bits == 32 ? DType::Int32 : dt.bits == 64 ? DType::Int64 : DType::Other;
+    default:
+      return DType::Other;
+  }
+}
+
+Device to_device(int device_type, int device_id) {
+  if (device_type == nb::device::cpu::value) return {DeviceType::CPU, 0};
+  if (device_type == nb::device::cuda::value) return {DeviceType::CUDA, device_id};
+  // Pinned host memory (kDLCUDAHost) is CPU-addressable; managed memory and every other
+  // device type is left to validation to reject.
+  if (device_type == nb::device::cuda_host::value) return {DeviceType::CPU, 0};
+  return {DeviceType::Other, device_id};
+}
+
+template <typename Array>
+TensorView to_view(const Array& a) {
+  TensorView t;
+  t.data = const_cast<void*>(static_cast<const void*>(a.data()));
+  t.dtype = to_dtype(a.dtype());
+  t.device = to_device(a.device_type(), a.device_id());
+  // A rank above kMaxDims is wrong for every argument anyway; clamping keeps the rank
+  // check failing (8 is neither 1 nor 3) without reading past the view's arrays.
+  t.ndim = static_cast<int>(a.ndim()) < TensorView::kMaxDims ? static_cast<int>(a.ndim())
+                                                              : TensorView::kMaxDims;
+  for (int i = 0; i < t.ndim; ++i) {
+    t.shape[i] = static_cast<int64_t>(a.shape(i));
+    t.strides[i] = a.stride(i);  // nanobind strides are in elements, like TensorView's
+  }
+  return t;
+}
+
+std::string py_type_name(nb::handle obj) {
+  nb::object name = obj.type().attr("__name__");
+  return PyUnicode_Check(name.ptr()) ? nb::borrow<nb::str>(name).c_str() : "object";
+}
+
+// Imports `obj` without any conversion or copy (convert=false): a converted pool would be
+// a temporary copy and the writes would be lost.
+template <typename Array>
+Array import_array(nb::handle obj, const char* name, bool writable) {
+  Array a;
+  if (nb::try_cast(obj, a, /*convert=*/false)) return a;
+  ReadArray probe;
+  if (writable && nb::try_cast(obj, probe, false))
+    throw nb::type_error(("rope_pool_fused: " + std::string(name) +
+                          " is read-only; the op writes into it, pass a writable array")
+                             .c_str());
+  throw nb::type_error(("rope_pool_fused: " + std::string(name) +
+                        " must be an array (torch.Tensor, numpy.ndarray or another DLPack "
+                        "producer), got " + py_type_name(obj))
+                           .c_str());
+}
+
+// Prints a shape from the caller's own object (`str(x.shape)`: "torch.Size([2, 8, 128])"
+// for torch, "(2, 8, 128)" for NumPy), so messages read like the caller's framework.
+std::string framework_shape(nb::handle obj, const TensorView& view) {
+  nb::gil_scoped_acquire gil;
+  try {
+    nb::object shape = obj.attr("shape");
+    // str(x.shape) (nb::str(obj) would only re-label a non-str object, not convert it)
+    nb::str text = nb::steal<nb::str>(PyObject_Str(shape.ptr()));
+    if (!text.is_valid()) throw nb::python_error();
+    return text.c_str();
+  } catch (const std::exception&) {
+    // An object without a printable `.shape` (a raw DLPack capsule): "[2, 8, 128]".
+    return format_shape(view);
+  }
+}
+
+void rope_pool_fused_into(nb::handle q, nb::handle k, nb::handle v, nb::handle positions,
+                          nb::handle slots, nb::handle k_pool, nb::handle v_pool,
+                          nb::handle q_out, nb::handle k_out, int64_t head_dim,
+                          int64_t num_qo_heads, int64_t num_kv_heads, double rope_base,
+                          bool check_slots, uintptr_t stream) {
+  const std::array<nb::handle, 9> objects = {q, k, v, positions, slots, k_pool, v_pool,
+                                             q_out, k_out};
+  // The imported arrays hold references to the producers' buffers for the whole call.
+  const std::array<ReadArray, 5> inputs = {
+      import_array<ReadArray>(q, kArgNames[0], false),
+      import_array<ReadArray>(k, kArgNames[1], false),
+      import_array<ReadArray>(v, kArgNames[2], false),
+      import_array<ReadArray>(positions, kArgNames[3], false),
+      import_array<ReadArray>(slots, kArgNames[4], false)};
+  const std::array<WriteArray, 4> outputs = {
+      import_array<WriteArray>(k_pool, kArgNames[5], true),
+      import_array<WriteArray>(v_pool, kArgNames[6], true),
+      import_array<WriteArray>(q_out, kArgNames[7], true),
+      import_array<WriteArray>(k_out, kArgNames[8], true)};
+
+  RopePoolTensors tensors;
+  tensors.q = to_view(inputs[0]);
+  tensors.k = to_view(inputs[1]);
+  tensors.v = to_view(inputs[2]);
+  tensors.positions = to_view(inputs[3]);
+  tensors.slots = to_view(inputs[4]);
+  tensors.k_pool = to_view(outputs[0]);
+  tensors.v_pool = to_view(outputs[1]);
+  tensors.q_out = to_view(outputs[2]);
+  tensors.k_out = to_view(outputs[3]);
+
+  RopePoolParams params;
+  params.head_dim = head_dim;
+  params.num_qo_heads = num_qo_heads;
+  params.num_kv_heads = num_kv_heads;
+  params.rope_base = rope_base;
+
+  CallOptions options;
+  options.check_slots = check_slots;
+  options.stream = reinterpret_cast<void*>(stream);
+  options.format_shape = [&objects](Arg arg, const TensorView& view) {
+    return framework_shape(objects[static_cast<size_t>(arg)], view);
+  };
+
+  // The CPU backend runs its own worker threads; other Python threads may run meanwhile.
+  nb::gil_scoped_release release;
+  rope_pool_fused(tensors, params, options);
+}
+
+}  // namespace
+
+void init_rope_pool(nb::module_& m) {
+  m.def("rope_pool_fused_into", &rope_pool_fused_into, "q"_a, "k"_a, "v"_a, "positions"_a,
+        "slots"_a, "k_pool"_a, "v_pool"_a, "q_out"_a, "k_out"_a, nb::kw_only(),
+        "head_dim"_a, "num_qo_heads"_a, "num_kv_heads"_a, "rope_base"_a,
+        "check_slots"_a = false, "stream"_a = 0,
+        nb::sig("def rope_pool_fused_into(q: object, k: object, v: object, "
+                "positions: object, slots: object, k_pool: object, v_pool: object, "
+                "q_out: object, k_out: object, *, head_dim: int, num_qo_heads: int, "
+                "num_kv_heads: int, rope_base: float, check_slots: bool = False, "
+                "stream: int = 0) -> None"),
+        R"doc(Low-level entry point: rotates q and k into the caller-allocated q_out/k_out
+and writes rotated k and v into k_pool/v_pool (SPEC §1), all in place.
+
+Every array is taken as is through DLPack or the buffer protocol (no conversion, no copy).
+`stream` is a cudaStream_t as an integer, used for CUDA arrays (0 = legacy default
+stream); the caller must have made the arrays' device current. Raises ValueError with the
+SPEC §2 messages (extra help in the exception's notes) and RuntimeError for backend
+failures. Most callers want `ropepool.rope_pool_fused`.)doc");
+}
+
+}  // namespace ropepool::python
