@@ -123,6 +123,19 @@ struct Checker {
            "made at model load, so no call synchronises the device");
   }
 
+  RopeSchedule precomputed(const RopeSchedule& s) const {
+    const int64_t R = p.rotary_dim ? p.rotary_dim : p.head_dim;
+    if (s.rotary_dim != R || int64_t(s.inv_freq.size()) != R / 2)
+      fail("rope_pool_fused: the precomputed schedule is for rotary_dim " +
+           std::to_string(s.rotary_dim) + " with " + std::to_string(s.inv_freq.size()) +
+           " frequencies, but this call rotates " + std::to_string(R) + " elements");
+    for (double f : s.inv_freq)
+      if (!std::isfinite(f)) fail("rope_pool_fused: the precomputed schedule has a non-finite inv_freq");
+    if (!std::isfinite(s.attention_scaling))
+      fail("rope_pool_fused: the precomputed schedule has a non-finite attention_scaling");
+    return s;
+  }
+
   void devices() const {
     const Device d = t.q.device;
     for (auto [a, v] : all())
@@ -246,7 +259,7 @@ Checked check(const RopePoolTensors& t, const RopePoolParams& p, const CallOptio
   c.contract();
   c.extended();
   Checked out;
-  out.schedule = make_rope_schedule(p);
+  out.schedule = p.schedule ? c.precomputed(*p.schedule) : make_rope_schedule(p);
   detail::RopePoolProblem& problem = out.problem;
   problem.dtype = t.q.dtype;
   problem.num_tokens = t.q.shape[0];

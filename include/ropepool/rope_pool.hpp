@@ -12,6 +12,8 @@
 
 namespace ropepool {
 
+struct RopeSchedule;  // schedule.hpp
+
 /// The caller's arguments. Every tensor lives on one device; `q_out`/`k_out` are
 /// caller-allocated outputs with the shapes of `q`/`k` (the library never allocates).
 struct RopePoolTensors {
@@ -42,6 +44,9 @@ struct RopePoolParams {
   TensorView inv_freq;
   /// Multiplies cos and sin; replaces the schedule's own attention factor when set.
   std::optional<double> attention_scaling;
+  /// A schedule made once by make_rope_schedule (e.g. at model load): used as is, instead
+  /// of rope_base/rope_scaling/inv_freq/attention_scaling. Its rotary_dim must match.
+  const RopeSchedule* schedule = nullptr;
 };
 
 /// Which argument a shape in a message belongs to (for ShapeFormatter).
