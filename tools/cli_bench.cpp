@@ -1,0 +1,508 @@
+// `ropepool bench`: the default workload (Llama-3-8B attention shape), each result verified
+// against the float64 reference, timed, and set next to this machine's copy bandwidth.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <mutex>
+#include <thread>
+
+#include "cli_common.hpp"
+
+namespace ropepool::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+struct BenchConfig {
+  RopePoolParams params{
+      .head_dim = 128, .num_qo_heads = 32, .num_kv_heads = 8, .rope_base = 500000};
+  DType dtype = DType::BFloat16;
+  DType index_dtype = DType::Int32;
+  std::vector<int64_t> tokens = {1, 16, 256, 4096, 32768};
+  int threads = 0;
+  int64_t iters = 0;       // 0: as many as fit in `seconds`
+  double seconds = 1.0;    // timing budget per token count
+  int64_t copy_mib = 0;    // 0: max(256 MiB, 2 x L3)
+  int64_t rotate_mib = 0;  // 0: max(256 MiB, 2 x L3)
+  int64_t min_pool_slots = 65536;
+  int64_t max_position = int64_t(1) << 17;
+  double skip_fraction = 0.05;  // share of tokens with slot -1 (no pool write)
+  uint64_t seed = 20240601;
+  std::string json_path;
+};
+
+struct Percentiles {
+  double median = 0, p10 = 0, p90 = 0, min = 0;
+};
+
+Percentiles percentiles(std::vector<double> v) {
+  Percentiles p;
+  if (v.empty()) return p;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  auto rank = [&](double q) { return v[size_t(std::floor(q * double(n - 1)))]; };
+  p.median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  p.p10 = rank(0.10);
+  p.p90 = rank(0.90);
+  p.min = v.front();
+  return p;
+}
+
+// --- memcpy anchor ------------------------------------------------------------------------
+
+struct CopyResult {
+  size_t bytes = 0;  // buffer size; traffic per copy is 2x (read + written)
+  int reps = 0;
+  Percentiles seconds;
+  double gbps = 0;
+};
+
+CopyResult measure_memcpy(size_t bytes, int threads, int reps) {
+  Buffer src(bytes), dst(bytes);
+  // Touch both buffers first so page faults are not timed.
+  parallel_for(int64_t(bytes), threads, [&](int64_t b, int64_t e) {
+    std::memset(static_cast<char*>(src.data()) + b, 0x5a, size_t(e - b));
+    std::memset(static_cast<char*>(dst.data()) + b, 0, size_t(e - b));
+  });
+  // One chunk per thread, split on 4 KiB boundaries, like the op splits its tokens.
+  const int64_t pages = int64_t(bytes / 4096);
+  std::vector<double> samples;
+  for (int r = 0; r < reps + 1; ++r) {
+    const auto t0 = Clock::now();
+    parallel_for(pages, threads, [&](int64_t b, int64_t e) {
+      const size_t off = size_t(b) * 4096;
+      const size_t len = e == pages ? bytes - off : size_t(e - b) * 4096;
+      std::memcpy(static_cast<char*>(dst.data()) + off, static_cast<char*>(src.data()) + off, len);
+    });
+    const double s = seconds_since(t0);
+    if (r > 0) samples.push_back(s);  // the first copy warms TLBs and the thread start-up
+  }
+  if (std::memcmp(src.data(), dst.data(), bytes) != 0)
+    throw BackendError("memcpy anchor: destination differs from source");
+  CopyResult c;
+  c.bytes = bytes;
+  c.reps = reps;
+  c.seconds = percentiles(samples);
+  c.gbps = 2.0 * double(bytes) / c.seconds.median * 1e-9;
+  return c;
+}
+
+// --- one token count ----------------------------------------------------------------------
+
+struct InputSet {
+  Buffer q, k, v, q_out, k_out, positions, slots;
+  RopePoolTensors tensors;
+  uint64_t seed = 0;
+};
+
+struct TokenResult {
+  int64_t tokens = 0, pool_slots = 0, sets = 0, calls = 0;
+  double bytes_per_call = 0;
+  Percentiles seconds;
+  double gbps = 0, copy_ratio = 0;
+  CheckStats q_check, k_check, pool_check;
+  int64_t pool_rows_written = 0;
+  bool ok() const { return q_check.ok() && k_check.ok() && pool_check.ok(); }
+};
+
+const char* stage_prefix = "[ropepool bench]";
+constexpr int64_t kMaxAutoCalls = 1000000;
+
+TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
+  const RopePoolParams& p = cfg.params;
+  const int64_t Hq = p.num_qo_heads, Hk = p.num_kv_heads, D = p.head_dim;
+  const size_t es = dtype_size(cfg.dtype), is = dtype_size(cfg.index_dtype);
+  const int threads = cfg.threads;
+  TokenResult r;
+  r.tokens = T;
+  r.pool_slots = std::max(cfg.min_pool_slots, 4 * T);
+  r.bytes_per_call =
+      double(T) * double(D * int64_t(es) * (2 * Hq + 5 * Hk)) + double(T * 2 * int64_t(is));
+  const size_t set_bytes =
+      size_t(T) * size_t(D) * es * size_t(2 * Hq + 3 * Hk) + size_t(T) * 2 * is;
+  // Rotate among input sets so a small call does not find its inputs already in cache.
+  r.sets = std::clamp<int64_t>(
+      int64_t((rotate_bytes + set_bytes - 1) / std::max<size_t>(1, set_bytes)), 1, 4096);
+  if (T == 0) r.sets = 1;
+
+  const int64_t P = r.pool_slots;
+  std::fprintf(stderr, "%s T=%lld: %lld input set(s) of %.1f MiB, pool of %lld slots: filling\n",
+               stage_prefix, (long long)T, (long long)r.sets, double(set_bytes) / 1048576.0,
+               (long long)P);
+  const uint64_t k_pool_seed = hash64(cfg.seed, uint64_t(T) * 4 + 1);
+  const uint64_t v_pool_seed = hash64(cfg.seed, uint64_t(T) * 4 + 2);
+  Buffer k_pool(size_t(P * Hk * D) * es), v_pool(size_t(P * Hk * D) * es);
+  fill_random(k_pool.data(), cfg.dtype, P * Hk * D, k_pool_seed, threads);
+  fill_random(v_pool.data(), cfg.dtype, P * Hk * D, v_pool_seed, threads);
+  const TensorView k_pool_view = TensorView::contiguous(k_pool.data(), cfg.dtype, {P, Hk, D});
+  const TensorView v_pool_view = TensorView::contiguous(v_pool.data(), cfg.dtype, {P, Hk, D});
+
+  std::vector<InputSet> sets(size_t(r.sets));
+  Rng rng(hash64(cfg.seed, uint64_t(T) * 4 + 3));
+  std::vector<uint8_t> taken(size_t(P), 0);
+  for (size_t s = 0; s < sets.size(); ++s) {
+    InputSet& in = sets[s];
+    in.seed = hash64(cfg.seed, (uint64_t(T) << 20) + s);
+    in.q = Buffer(size_t(T * Hq * D) * es);
+    in.k = Buffer(size_t(T * Hk * D) * es);
+    in.v = Buffer(size_t(T * Hk * D) * es);
+    in.q_out = Buffer(size_t(T * Hq * D) * es);
+    in.k_out = Buffer(size_t(T * Hk * D) * es);
+    in.positions = Buffer(size_t(T) * is);
+    in.slots = Buffer(size_t(T) * is);
+    fill_random(in.q.data(), cfg.dtype, T * Hq * D, in.seed + 1, threads);
+    fill_random(in.k.data(), cfg.dtype, T * Hk * D, in.seed + 2, threads);
+    fill_random(in.v.data(), cfg.dtype, T * Hk * D, in.seed + 3, threads);
+    poison(in.q_out.data(), cfg.dtype, T * Hq * D, threads);
+    poison(in.k_out.data(), cfg.dtype, T * Hk * D, threads);
+    // Distinct random slots within a call (P >= 4T keeps rejection cheap), some skipped.
+    std::vector<int64_t> slot(static_cast<size_t>(T)), pos(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) {
+      pos[size_t(t)] = int64_t(rng.below(uint64_t(cfg.max_position)));
+      if (rng.chance(cfg.skip_fraction)) {
+        slot[size_t(t)] = -1;
+        continue;
+      }
+      int64_t candidate;
+      do candidate = int64_t(rng.below(uint64_t(P)));
+      while (taken[size_t(candidate)]);
+      taken[size_t(candidate)] = 1;
+      slot[size_t(t)] = candidate;
+    }
+    for (int64_t sl : slot)
+      if (sl >= 0) taken[size_t(sl)] = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      if (is == 8) {
+        static_cast<int64_t*>(in.positions.data())[t] = pos[size_t(t)];
+        static_cast<int64_t*>(in.slots.data())[t] = slot[size_t(t)];
+      } else {
+        static_cast<int32_t*>(in.positions.data())[t] = int32_t(pos[size_t(t)]);
+        static_cast<int32_t*>(in.slots.data())[t] = int32_t(slot[size_t(t)]);
+      }
+    }
+    RopePoolTensors& tv = in.tensors;
+    tv.q = TensorView::contiguous(in.q.data(), cfg.dtype, {T, Hq, D});
+    tv.k = TensorView::contiguous(in.k.data(), cfg.dtype, {T, Hk, D});
+    tv.v = TensorView::contiguous(in.v.data(), cfg.dtype, {T, Hk, D});
+    tv.q_out = TensorView::contiguous(in.q_out.data(), cfg.dtype, {T, Hq, D});
+    tv.k_out = TensorView::contiguous(in.k_out.data(), cfg.dtype, {T, Hk, D});
+    tv.positions = TensorView::contiguous(in.positions.data(), cfg.index_dtype, {T});
+    tv.slots = TensorView::contiguous(in.slots.data(), cfg.index_dtype, {T});
+    tv.k_pool = k_pool_view;
+    tv.v_pool = v_pool_view;
+  }
+
+  // First call of every set: check every q_out/k_out element against the float64
+  // reference and every written pool row bit for bit; remember who wrote each row last.
+  std::fprintf(stderr,
+               "%s T=%lld: first call of each set, checking against the float64 reference\n",
+               stage_prefix, (long long)T);
+  const RopeSchedule schedule = make_rope_schedule(p);
+  std::vector<std::pair<int32_t, int64_t>> last_writer(size_t(P), {-1, -1});  // (set, token)
+  for (size_t s = 0; s < sets.size(); ++s) {
+    const RopePoolTensors& tv = sets[s].tensors;
+    rope_pool_fused(tv, p);
+    r.q_check.merge(check_rotation("q_out", tv.q, tv.q_out, tv.positions, schedule, 0, T, threads));
+    r.k_check.merge(check_rotation("k_out", tv.k, tv.k_out, tv.positions, schedule, 0, T, threads));
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t slot = reference::load_index(tv.slots, t);
+      if (slot < 0) continue;
+      ++r.pool_rows_written;
+      r.pool_check.elements += 2 * Hk * D;
+      if (!rows_identical(k_pool_view, slot, tv.k_out, t) ||
+          !rows_identical(v_pool_view, slot, tv.v, t))
+        r.pool_check.fail(slot, [&] {
+          return "set " + std::to_string(s) + ": pool row " + std::to_string(slot) +
+                 " differs from k_out/v of token " + std::to_string(t);
+        });
+      last_writer[size_t(slot)] = {int32_t(s), t};
+    }
+  }
+  // Inputs must come back unmodified, and every pool row must hold either its initial
+  // bits or the rows of its last writer.
+  CheckStats inputs_check;
+  std::mutex mu;
+  for (const InputSet& in : sets) {
+    for (auto [buf, count, seed] : {std::tuple{&in.q, T * Hq * D, in.seed + 1},
+                                    {&in.k, T * Hk * D, in.seed + 2},
+                                    {&in.v, T * Hk * D, in.seed + 3}})
+      parallel_for(count, threads, [&](int64_t b, int64_t e) {
+        CheckStats local;
+        for (int64_t i = b; i < e; ++i)
+          if (load_bits(cfg.dtype, static_cast<const char*>(buf->data()) + size_t(i) * es) !=
+              encode(cfg.dtype, hash_uniform(seed, uint64_t(i), -4, 4)))
+            local.fail(i, [&] { return "an input (q/k/v) element was modified by the call"; });
+        std::lock_guard lock(mu);
+        inputs_check.merge(local);
+      });
+  }
+  r.q_check.merge(inputs_check);
+  parallel_for(P, threads, [&](int64_t b, int64_t e) {
+    CheckStats local;
+    for (int64_t row = b; row < e; ++row) {
+      const auto [s, t] = last_writer[size_t(row)];
+      if (s >= 0) {
+        const RopePoolTensors& tv = sets[size_t(s)].tensors;
+        if (!rows_identical(k_pool_view, row, tv.k_out, t) ||
+            !rows_identical(v_pool_view, row, tv.v, t))
+          local.fail(row, [&] {
+            return "pool row " + std::to_string(row) + " no longer holds its last writer's rows";
+          });
+        continue;
+      }
+      local.elements += 2 * Hk * D;
+      for (int64_t i = row * Hk * D; i < (row + 1) * Hk * D; ++i) {
+        const bool k_same =
+            load_bits(cfg.dtype, static_cast<const char*>(k_pool.data()) + size_t(i) * es) ==
+            encode(cfg.dtype, hash_uniform(k_pool_seed, uint64_t(i), -4, 4));
+        const bool v_same =
+            load_bits(cfg.dtype, static_cast<const char*>(v_pool.data()) + size_t(i) * es) ==
+            encode(cfg.dtype, hash_uniform(v_pool_seed, uint64_t(i), -4, 4));
+        if (!k_same || !v_same) {
+          local.fail(row, [&] {
+            return "pool row " + std::to_string(row) + " was never a slot but changed";
+          });
+          break;
+        }
+      }
+    }
+    std::lock_guard lock(mu);
+    r.pool_check.merge(local);
+  });
+  if (!r.ok()) {
+    std::fprintf(stderr, "%s T=%lld: VERIFICATION FAILED, not timing it\n", stage_prefix,
+                 (long long)T);
+    return r;
+  }
+
+  // Timing: sets in turn, one sample per call; --iters calls, or as many as fit in
+  // --seconds (at least 10).
+  std::fprintf(stderr, "%s T=%lld: verified; timing\n", stage_prefix, (long long)T);
+  for (size_t s = 0; s < sets.size() && s < 3; ++s) rope_pool_fused(sets[s].tensors, p);  // warm-up
+  std::vector<double> samples;
+  const auto timing_start = Clock::now();
+  for (int64_t i = 0;; ++i) {
+    if (cfg.iters > 0
+            ? i >= cfg.iters
+            : i >= 10 && (i >= kMaxAutoCalls || seconds_since(timing_start) >= cfg.seconds))
+      break;
+    const RopePoolTensors& tv = sets[size_t(i % r.sets)].tensors;
+    const auto t0 = Clock::now();
+    rope_pool_fused(tv, p);
+    samples.push_back(seconds_since(t0));
+  }
+  r.calls = int64_t(samples.size());
+  r.seconds = percentiles(samples);
+  r.gbps = r.bytes_per_call / r.seconds.median * 1e-9;
+  return r;
+}
+
+// --- report --------------------------------------------------------------------------------
+
+std::string now_string() {
+  const std::time_t t = std::time(nullptr);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S %Z", std::localtime(&t));
+  return buf;
+}
+
+std::string json_escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '"' || c == '\\') o += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) continue;
+    o += c;
+  }
+  return o;
+}
+
+void write_json(const BenchConfig& cfg, const CopyResult& copy, const std::vector<TokenResult>& rs,
+                const std::string& date) {
+  std::ofstream f(cfg.json_path);
+  if (!f) throw UsageError{"--json: cannot open '" + cfg.json_path + "' for writing"};
+  const RopePoolParams& p = cfg.params;
+  f << "{\n  \"version\": \"" << kVersion << "\",\n  \"date\": \"" << date << "\",\n"
+    << "  \"cpu\": \"" << json_escape(cpu_model())
+    << "\",\n  \"hardware_threads\": " << std::thread::hardware_concurrency()
+    << ",\n  \"threads\": " << cfg.threads << ",\n"
+    << "  \"dtype\": \"" << dtype_name(cfg.dtype) << "\",\n  \"index_dtype\": \""
+    << dtype_name(cfg.index_dtype) << "\",\n  \"num_qo_heads\": " << p.num_qo_heads
+    << ",\n  \"num_kv_heads\": " << p.num_kv_heads << ",\n  \"head_dim\": " << p.head_dim
+    << ",\n  \"rope_base\": " << p.rope_base << ",\n"
+    << "  \"memcpy\": {\"buffer_bytes\": " << copy.bytes << ", \"reps\": " << copy.reps
+    << ", \"median_s\": " << copy.seconds.median << ", \"gbps\": " << copy.gbps << "},\n"
+    << "  \"results\": [";
+  for (size_t i = 0; i < rs.size(); ++i) {
+    const TokenResult& r = rs[i];
+    f << (i ? ",\n" : "\n") << "    {\"tokens\": " << r.tokens
+      << ", \"pool_slots\": " << r.pool_slots << ", \"input_sets\": " << r.sets
+      << ", \"calls\": " << r.calls << ", \"verified\": " << (r.ok() ? "true" : "false")
+      << ", \"max_error_over_bound\": " << std::max(r.q_check.worst, r.k_check.worst)
+      << ", \"bytes_per_call\": " << r.bytes_per_call
+      << ", \"median_us\": " << r.seconds.median * 1e6 << ", \"p10_us\": " << r.seconds.p10 * 1e6
+      << ", \"p90_us\": " << r.seconds.p90 * 1e6 << ", \"gbps\": " << r.gbps
+      << ", \"memcpy_ratio\": " << r.copy_ratio << "}";
+  }
+  f << "\n  ]\n}\n";
+}
+
+}  // namespace
+
+const char* bench_help() {
+  return R"(usage: ropepool bench [options]
+
+Times rope_pool_fused on the CPU for several token counts. Every input set's first call is
+checked against the float64 reference (every q_out/k_out element within the SPEC §1 bound,
+every written pool row bit-identical to k_out/v, every other pool row unchanged) before it
+is timed; a token count that fails is reported and not timed (exit status 1).
+
+Default workload: Llama-3-8B attention (num_qo_heads 32, num_kv_heads 8, head_dim 128,
+rope_base 500000), bfloat16, int32 positions/slots, T in 1,16,256,4096,32768, a pool of
+max(65536, 4T) slots, distinct random slots with ~5% set to -1 (no pool write), random
+positions below 2^17. Small T rotate among many input sets so caches do not flatter.
+
+Reported per T: median call time with p10/p90, GB/s with
+  bytes = T*head_dim*elem_size*(2*num_qo_heads + 5*num_kv_heads) + T*(positions + slots)
+(q, k, v read; q_rot, k_rot, k_pool, v_pool rows written), and the ratio to the memcpy
+bandwidth measured in the same run (a multithreaded memcpy of a buffer much larger than L3,
+over the same number of threads; bytes = read + written; median of several copies).
+
+options:
+  --threads N        worker threads (default: ROPEPOOL_NUM_THREADS or all hardware threads)
+  --dtype D          bfloat16 (default), float16 or float32
+  --index-dtype D    int32 (default) or int64 positions/slots
+  --tokens LIST      comma-separated token counts (default 1,16,256,4096,32768)
+  --iters N          timed calls per token count (default: as many as fit in --seconds,
+                     at least 10)
+  --seconds S        timing budget per token count when --iters is not given (default 1)
+  --copy-mib N       memcpy anchor buffer size in MiB (default 2 x L3, within 256..1024)
+  --rotate-mib N     input bytes to rotate among for small T (default 2 x L3, within 256..1024)
+  --num-qo-heads N, --num-kv-heads N, --head-dim N, --rope-base X
+                     a different attention shape
+  --seed N           random seed (default 20240601)
+  --json FILE        also write the results as JSON
+  -h, --help         this text
+)";
+}
+
+int run_bench(Args& args) {
+  BenchConfig cfg;
+  cfg.threads = cpu_num_threads();
+  while (!args.done()) {
+    const std::string o = args.next_option();
+    if (o == "-h" || o == "--help") {
+      std::fputs(bench_help(), stdout);
+      return 0;
+    } else if (o == "--threads") {
+      cfg.threads = int(parse_int(o, args.value(o), 1));
+    } else if (o == "--dtype") {
+      cfg.dtype = parse_float_dtype(args.value(o));
+    } else if (o == "--index-dtype") {
+      cfg.index_dtype = parse_index_dtype(args.value(o));
+    } else if (o == "--tokens") {
+      cfg.tokens = parse_int_list(o, args.value(o));
+    } else if (o == "--iters") {
+      cfg.iters = parse_int(o, args.value(o), 1);
+    } else if (o == "--seconds") {
+      cfg.seconds = parse_double(o, args.value(o));
+    } else if (o == "--copy-mib") {
+      cfg.copy_mib = parse_int(o, args.value(o), 1);
+    } else if (o == "--rotate-mib") {
+      cfg.rotate_mib = parse_int(o, args.value(o), 1);
+    } else if (o == "--num-qo-heads") {
+      cfg.params.num_qo_heads = parse_int(o, args.value(o), 1);
+    } else if (o == "--num-kv-heads") {
+      cfg.params.num_kv_heads = parse_int(o, args.value(o), 1);
+    } else if (o == "--head-dim") {
+      cfg.params.head_dim = parse_int(o, args.value(o), 2);
+      if (cfg.params.head_dim % 2) throw UsageError{"--head-dim must be even"};
+    } else if (o == "--rope-base") {
+      cfg.params.rope_base = parse_double(o, args.value(o));
+    } else if (o == "--seed") {
+      cfg.seed = uint64_t(parse_int(o, args.value(o), 0));
+    } else if (o == "--json") {
+      cfg.json_path = args.value(o);
+    } else {
+      args.unknown(o);
+    }
+  }
+  if (cfg.params.num_qo_heads % cfg.params.num_kv_heads)
+    throw UsageError{"--num-qo-heads must be a multiple of --num-kv-heads"};
+  set_cpu_num_threads(cfg.threads);
+
+  const size_t l3 = l3_cache_bytes();
+  // "Much larger than L3": twice the reported L3, at least 256 MiB, at most 1 GiB (two such
+  // buffers are live during the copy).
+  const size_t big = std::clamp<size_t>(2 * l3, size_t(256) << 20, size_t(1) << 30);
+  const size_t copy_bytes = cfg.copy_mib ? size_t(cfg.copy_mib) << 20 : big;
+  const size_t rotate_bytes = cfg.rotate_mib ? size_t(cfg.rotate_mib) << 20 : big;
+  const std::string date = now_string();
+  const RopePoolParams& p = cfg.params;
+
+  std::printf("ropepool %s bench, %s\n", kVersion, date.c_str());
+  std::printf("CPU: %s, %u hardware threads, L3 %zu MiB; ropepool threads: %d\n",
+              cpu_model().c_str(), std::thread::hardware_concurrency(), l3 >> 20, cfg.threads);
+  std::printf(
+      "workload: %s, num_qo_heads %lld, num_kv_heads %lld, head_dim %lld, rope_base %g, "
+      "%s positions/slots below 2^%d, ~%.0f%% slots -1\n",
+      dtype_name(cfg.dtype), (long long)p.num_qo_heads, (long long)p.num_kv_heads,
+      (long long)p.head_dim, p.rope_base, dtype_name(cfg.index_dtype),
+      int(std::log2(double(cfg.max_position))), cfg.skip_fraction * 100);
+  std::fflush(stdout);
+
+  std::fprintf(stderr, "%s memcpy anchor: %zu MiB, %d thread(s)\n", stage_prefix, copy_bytes >> 20,
+               cfg.threads);
+  const CopyResult copy = measure_memcpy(copy_bytes, cfg.threads, 7);
+  std::printf(
+      "memcpy: %zu MiB buffer, %d thread(s): %.2f GB/s (median of %d; p10 %.2f, p90 %.2f "
+      "GB/s; bytes = read + written)\n\n",
+      copy_bytes >> 20, cfg.threads, copy.gbps, copy.reps,
+      2.0 * double(copy_bytes) / copy.seconds.p90 * 1e-9,
+      2.0 * double(copy_bytes) / copy.seconds.p10 * 1e-9);
+  std::printf("%7s %10s %5s %7s %11s %11s %11s %10s %8s %7s  %s\n", "tokens", "pool_slots", "sets",
+              "calls", "median_us", "p10_us", "p90_us", "MB/call", "GB/s", "memcpy", "check");
+  std::fflush(stdout);
+
+  std::vector<TokenResult> results;
+  bool all_ok = true;
+  for (int64_t T : cfg.tokens) {
+    TokenResult r = run_tokens(cfg, T, rotate_bytes);
+    r.copy_ratio = r.gbps / copy.gbps;
+    all_ok = all_ok && r.ok();
+    const double worst = std::max(r.q_check.worst, r.k_check.worst);
+    char check[64];
+    std::snprintf(check, sizeof check, "ok, max err %.2f of bound", worst);
+    if (r.ok()) {
+      std::printf("%7lld %10lld %5lld %7lld %11.2f %11.2f %11.2f %10.3f %8.2f %6.0f%%  %s\n",
+                  (long long)r.tokens, (long long)r.pool_slots, (long long)r.sets,
+                  (long long)r.calls, r.seconds.median * 1e6, r.seconds.p10 * 1e6,
+                  r.seconds.p90 * 1e6, r.bytes_per_call * 1e-6, r.gbps, r.copy_ratio * 100, check);
+    } else {
+      std::printf("%7lld %10lld %5lld %7s %11s %11s %11s %10.3f %8s %7s  FAILED\n",
+                  (long long)r.tokens, (long long)r.pool_slots, (long long)r.sets, "-", "-", "-",
+                  "-", r.bytes_per_call * 1e-6, "-", "-");
+      for (const CheckStats* c : {&r.q_check, &r.k_check, &r.pool_check})
+        if (!c->ok())
+          std::printf("        %lld of %lld checked elements/rows wrong; first: %s\n",
+                      (long long)c->failures, (long long)c->elements, c->first_failure.c_str());
+    }
+    std::fflush(stdout);
+    results.push_back(std::move(r));
+  }
+  if (!cfg.json_path.empty()) write_json(cfg, copy, results, date);
+  if (!all_ok) {
+    std::printf("\nVERIFICATION FAILED: see the rows marked FAILED above\n");
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace ropepool::cli
