@@ -1,0 +1,395 @@
+// CUDA backend of rope_pool_fused: the host launcher. Picks the kernel (tuned head size,
+// generic 16-byte path, scalar fallback) and the launch shape, owns the device-side slot
+// error record, and turns every CUDA failure into ropepool::BackendError.
+//
+// The launcher never allocates device memory, never synchronises (except with
+// check_slots, which must read the slots before anything is written) and issues exactly one
+// kernel launch on problem.stream, so a call can be captured in a CUDA graph.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../backend.hpp"
+#include "launch.hpp"
+#include "rope_pool_kernel.cuh"
+#include "ropepool/cuda.hpp"
+#include "ropepool/error.hpp"
+
+namespace ropepool::detail {
+namespace {
+
+using cuda::KernelParams;
+using cuda::SlotErrorRecord;
+using cuda_launch::LaunchConfig;
+using cuda_launch::LaunchPlan;
+using cuda_launch::Path;
+
+constexpr int kMaxDevices = 64;
+
+void check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess)
+    throw BackendError(std::string("rope_pool_fused: CUDA error in ") + what + ": " +
+                       cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
+}
+
+/// Makes `device` current for the scope of a call and restores the caller's device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (device != previous_) check(cudaSetDevice(device), "cudaSetDevice");
+    switched_ = device != previous_;
+  }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+/// The device that owns q's memory (the Python layer calls under it already; C++ callers
+/// need not).
+int device_of(const void* data) {
+  cudaPointerAttributes attr{};
+  check(cudaPointerGetAttributes(&attr, data), "cudaPointerGetAttributes");
+  if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
+    throw BackendError("rope_pool_fused: q is marked as a CUDA tensor but its memory is not "
+                       "CUDA device memory");
+  if (attr.device < 0 || attr.device >= kMaxDevices)
+    throw BackendError("rope_pool_fused: CUDA device " + std::to_string(attr.device) +
+                       " is beyond the " + std::to_string(kMaxDevices) + " this build supports");
+  return attr.device;
+}
+
+int sm_count(int device) {
+  static std::atomic<int> cache[kMaxDevices] = {};
+  int n = cache[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device),
+          "cudaDeviceGetAttribute");
+    cache[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+// ---- the slot error record (SPEC §3 without a device sync) ------------------------------
+
+struct ErrorRecords {
+  SlotErrorRecord* host = nullptr;  // kMaxDevices records, mapped pinned host memory
+  std::atomic<SlotErrorRecord*> device_view[kMaxDevices] = {};
+  std::mutex report_mutex;
+};
+
+ErrorRecords& error_records() {
+  static ErrorRecords records;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // The first call may come during stream capture (torch.cuda.graph); a host allocation
+    // is not a stream operation, so let this thread make it.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    check(cudaThreadExchangeStreamCaptureMode(&mode), "cudaThreadExchangeStreamCaptureMode");
+    void* p = nullptr;
+    const cudaError_t status = cudaHostAlloc(&p, sizeof(SlotErrorRecord) * kMaxDevices,
+                                             cudaHostAllocMapped | cudaHostAllocPortable);
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    check(status, "cudaHostAlloc (slot error record)");
+    std::memset(p, 0, sizeof(SlotErrorRecord) * kMaxDevices);
+    records.host = static_cast<SlotErrorRecord*>(p);
+  });
+  return records;
+}
+
+/// Device pointer of `device`'s record (the current device must be `device`).
+SlotErrorRecord* error_record_for_device(int device) {
+  ErrorRecords& r = error_records();
+  SlotErrorRecord* d = r.device_view[device].load(std::memory_order_acquire);
+  if (d == nullptr) {
+    void* p = nullptr;
+    check(cudaHostGetDevicePointer(&p, r.host + device, 0), "cudaHostGetDevicePointer");
+    d = static_cast<SlotErrorRecord*>(p);
+    r.device_view[device].store(d, std::memory_order_release);
+  }
+  return d;
+}
+
+/// Throws (and clears) the bad slot an earlier call recorded on `device`, if any. Reads
+/// host memory only: no synchronisation.
+void report_pending_slot_error(int device) {
+  ErrorRecords& r = error_records();
+  volatile SlotErrorRecord* rec = r.host + device;
+  if (rec->seq_written == rec->seq_acked) return;  // the common case: one compare
+  std::string message;
+  {
+    std::lock_guard<std::mutex> lock(r.report_mutex);
+    const unsigned long long written = rec->seq_written;
+    if (written == rec->seq_acked) return;  // another thread reported it
+    std::atomic_thread_fence(std::memory_order_acquire);  // fields were published before
+    message = "rope_pool_fused: an earlier call on cuda:" + std::to_string(device) +
+              " had slots[" + std::to_string(rec->token) + "] = " + std::to_string(rec->slot) +
+              " out of range for a pool of " + std::to_string(rec->pool_size) +
+              " slots; that token's pool rows were not written. Bad slots are reported on the "
+              "next call (or by cuda_check_slot_errors); pass check_slots=True to raise "
+              "before anything is written";
+    rec->seq_acked = written;
+  }
+  throw BackendError(message);
+}
+
+// ---- check_slots: the host check of SPEC §3, after a synchronous copy -------------------
+
+void check_slots_on_host(const RopePoolProblem& p, cudaStream_t stream) {
+  const int64_t T = p.num_tokens;
+  const size_t es = p.slots.is_int64 ? 8 : 4;
+  std::vector<unsigned char> bytes(size_t(T) * es);
+  const char* src = static_cast<const char*>(p.slots.data);
+  if (p.slots.stride == 1)
+    check(cudaMemcpyAsync(bytes.data(), src, bytes.size(), cudaMemcpyDeviceToHost, stream),
+          "cudaMemcpyAsync (slots)");
+  else if (p.slots.stride > 1)
+    check(cudaMemcpy2DAsync(bytes.data(), es, src, size_t(p.slots.stride) * es, es, size_t(T),
+                            cudaMemcpyDeviceToHost, stream),
+          "cudaMemcpy2DAsync (slots)");
+  else
+    for (int64_t t = 0; t < T; ++t)
+      check(cudaMemcpyAsync(bytes.data() + t * es, src + t * p.slots.stride * int64_t(es), es,
+                            cudaMemcpyDeviceToHost, stream),
+            "cudaMemcpyAsync (slots)");
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (check_slots)");
+  const Index slots{bytes.data(), 1, p.slots.is_int64};
+  // Same checks and messages as the CPU path in src/rope_pool.cpp.
+  for (int64_t i = 0; i < T; ++i) {
+    const int64_t s = slots[i];
+    if (s >= p.pool_size)
+      throw Error("rope_pool_fused: slots[" + std::to_string(i) + "] = " + std::to_string(s) +
+                      " is out of range for a pool of " + std::to_string(p.pool_size) + " slots",
+                  "slots index rows of k_pool/v_pool; use a negative slot to skip a token");
+  }
+  std::vector<std::pair<int64_t, int64_t>> seen;
+  seen.reserve(size_t(T));
+  for (int64_t i = 0; i < T; ++i)
+    if (slots[i] >= 0) seen.emplace_back(slots[i], i);
+  std::sort(seen.begin(), seen.end());
+  for (size_t i = 1; i < seen.size(); ++i)
+    if (seen[i].first == seen[i - 1].first)
+      throw Error("rope_pool_fused: slots[" + std::to_string(seen[i].second) + "] = " +
+                  std::to_string(seen[i].first) + " repeats slots[" +
+                  std::to_string(seen[i - 1].second) +
+                  "]; with check_slots each slot may be written once per call");
+}
+
+// ---- launch planning ---------------------------------------------------------------------
+
+bool aligned16(const void* data) { return (reinterpret_cast<uintptr_t>(data) & 15) == 0; }
+
+/// 16-byte accesses need every base pointer and every stride that is actually stepped over
+/// (extent > 1) to be a multiple of 16 bytes.
+bool rows_aligned16(const Rows& r, int64_t rows, int64_t heads, size_t es) {
+  return aligned16(r.data) && (rows <= 1 || (r.row_stride * int64_t(es)) % 16 == 0) &&
+         (heads <= 1 || (r.head_stride * int64_t(es)) % 16 == 0);
+}
+
+bool is_tuned_head_dim(int64_t d) { return d == 64 || d == 96 || d == 128 || d == 256; }
+
+}  // namespace
+
+namespace cuda_launch {
+
+LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) {
+  const size_t es = dtype_size(p.dtype);
+  const int64_t T = p.num_tokens, D = p.head_dim, R = p.rotary_dim, half = R / 2;
+  if (half > cuda::kMaxHalfRotary)
+    throw Error("rope_pool_fused: the CUDA backend supports rotary_dim up to " +
+                    std::to_string(2 * cuda::kMaxHalfRotary) + ", got " + std::to_string(R),
+                "rotate the first 512 elements with rotary_dim, or use the CPU backend");
+
+  LaunchPlan plan;
+  const int vec = int(16 / es);
+  // A 16-byte access must not straddle rotary_dim, nor (NeoX) the middle of the rotated part.
+  const bool vector_ok =
+      D % vec == 0 && (p.interleaved ? R % vec : half % vec) == 0 && rows_aligned16(p.q, T, p.num_qo_heads, es) &&
+      rows_aligned16(p.q_out, T, p.num_qo_heads, es) && rows_aligned16(p.k, T, p.num_kv_heads, es) &&
+      rows_aligned16(p.k_out, T, p.num_kv_heads, es) && rows_aligned16(p.v, T, p.num_kv_heads, es) &&
+      rows_aligned16(p.k_pool, p.pool_size, p.num_kv_heads, es) &&
+      rows_aligned16(p.v_pool, p.pool_size, p.num_kv_heads, es);
+  if (vector_ok) {
+    plan.path = R == D && !p.interleaved && is_tuned_head_dim(D) ? Path::Tuned : Path::Vector;
+    plan.vec_elems = vec;
+  } else {
+    plan.path = Path::Scalar;
+    plan.vec_elems = 1;
+  }
+
+  // Work per token, in warp items (kernel header): one kv item, plus q items of
+  // 32 * kQUnits units.
+  const int64_t rotating_units = !p.interleaved ? half / plan.vec_elems
+                                 : plan.vec_elems == 1 ? half : R / plan.vec_elems;
+  const int64_t units_per_head = rotating_units + (D - R) / plan.vec_elems;
+  const int64_t q_units = p.num_qo_heads * units_per_head;
+  const double items_per_token = 1.0 + double(q_units) / (32.0 * cuda::kQUnits);
+  const int64_t kv_span = p.num_kv_heads * std::max(units_per_head, D / plan.vec_elems);
+
+  LaunchConfig c;
+  const int max_tokens_by_smem = int(std::max<int64_t>(1, (48 * 1024) / (8 * std::max<int64_t>(half, 1))));
+  if (items_per_token >= 4) {
+    // Many heads: a CTA per token, its warps share the token's q items.
+    c.tokens_per_cta = 1;
+    c.warps_per_cta = int(std::min<double>(cuda::kMaxWarpsPerCta, std::ceil(items_per_token)));
+  } else {
+    // Few heads (e.g. Llama-3-8B: 3 items per token): a few tokens per CTA so a CTA has
+    // enough warps to hide the table build behind its first loads.
+    c.tokens_per_cta = std::max(1, int(cuda::kMaxWarpsPerCta / items_per_token));
+    c.warps_per_cta = int(std::min<double>(cuda::kMaxWarpsPerCta,
+                                           std::ceil(c.tokens_per_cta * items_per_token)));
+  }
+  c.ctas_per_tile = 1;
+  if (overrides.warps_per_cta > 0) c.warps_per_cta = std::clamp(overrides.warps_per_cta, 1, cuda::kMaxWarpsPerCta);
+  if (overrides.tokens_per_cta > 0) c.tokens_per_cta = overrides.tokens_per_cta;
+  if (overrides.ctas_per_tile > 0) c.ctas_per_tile = overrides.ctas_per_tile;
+  c.tokens_per_cta = int(std::clamp<int64_t>(c.tokens_per_cta, 1, std::min<int64_t>(max_tokens_by_smem, 64)));
+  c.lock_rows = overrides.lock_rows;
+  (void)sm_count;  // reserved for a persistent grid
+
+  // Item indices inside a tile are int (kernel): keep them far from overflow.
+  if (int64_t(c.tokens_per_cta) * q_units + 32 * cuda::kQUnits >= (int64_t(1) << 30) ||
+      kv_span + 32 * cuda::kVVecs >= (int64_t(1) << 30))
+    throw Error("rope_pool_fused: num_qo_heads/num_kv_heads * head_dim is too large for the "
+                "CUDA backend");
+
+  const int64_t tiles = (T + c.tokens_per_cta - 1) / c.tokens_per_cta;
+  plan.grid = tiles * c.ctas_per_tile;
+  if (plan.grid > 0x7fffffff)
+    throw Error("rope_pool_fused: too many tokens for one CUDA launch, got " + std::to_string(T));
+  plan.threads = 32 * c.warps_per_cta;
+  plan.shared_bytes = size_t(2) * c.tokens_per_cta * size_t(half) * sizeof(float);
+  plan.config = c;
+  return plan;
+}
+
+}  // namespace cuda_launch
+
+namespace {
+
+template <int kFreqCap>
+KernelParams<kFreqCap> make_params(const RopePoolProblem& p, const LaunchPlan& plan,
+                                   SlotErrorRecord* record) {
+  KernelParams<kFreqCap> k{};
+  k.q = p.q.data, k.k = p.k.data, k.v = p.v.data;
+  k.q_out = p.q_out.data, k.k_out = p.k_out.data;
+  k.k_pool = p.k_pool.data, k.v_pool = p.v_pool.data;
+  k.q_row = p.q.row_stride, k.q_head = p.q.head_stride;
+  k.k_row = p.k.row_stride, k.k_head = p.k.head_stride;
+  k.v_row = p.v.row_stride, k.v_head = p.v.head_stride;
+  k.qo_row = p.q_out.row_stride, k.qo_head = p.q_out.head_stride;
+  k.ko_row = p.k_out.row_stride, k.ko_head = p.k_out.head_stride;
+  k.kp_row = p.k_pool.row_stride, k.kp_head = p.k_pool.head_stride;
+  k.vp_row = p.v_pool.row_stride, k.vp_head = p.v_pool.head_stride;
+  k.positions = p.positions.data, k.positions_stride = p.positions.stride;
+  k.positions_int64 = p.positions.is_int64;
+  k.slots = p.slots.data, k.slots_stride = p.slots.stride, k.slots_int64 = p.slots.is_int64;
+  k.num_tokens = p.num_tokens, k.pool_size = p.pool_size;
+  k.num_qo_heads = int(p.num_qo_heads), k.num_kv_heads = int(p.num_kv_heads);
+  k.head_dim = int(p.head_dim), k.rotary_dim = int(p.rotary_dim);
+  k.tokens_per_cta = plan.config.tokens_per_cta, k.ctas_per_tile = plan.config.ctas_per_tile;
+  k.lock_rows = plan.config.lock_rows;
+  k.attention_scaling = float(p.attention_scaling);
+  k.error_record = record;
+  for (int64_t i = 0; i < p.rotary_dim / 2; ++i) k.inv_freq[i] = p.inv_freq[i];
+  return k;
+}
+
+template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved = false>
+void launch(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRecord* record,
+            cudaStream_t stream) {
+  const KernelParams<kFreqCap> params = make_params<kFreqCap>(p, plan, record);
+  cuda::rope_pool_kernel<E, kVec, kHeadDim, kFreqCap, kInterleaved>
+      <<<unsigned(plan.grid), unsigned(plan.threads), plan.shared_bytes, stream>>>(params);
+  check(cudaGetLastError(), "rope_pool_kernel launch");
+}
+
+template <class E>
+void launch_dtype(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRecord* record,
+                  cudaStream_t stream) {
+  constexpr int kVec = 16 / E::kBytes;
+  constexpr int kCap = cuda::kMaxHalfRotary;
+  switch (plan.path) {
+    case Path::Tuned:
+      switch (p.head_dim) {
+        case 64: return launch<E, kVec, 64, 32>(p, plan, record, stream);
+        case 96: return launch<E, kVec, 96, 48>(p, plan, record, stream);
+        case 128: return launch<E, kVec, 128, 64>(p, plan, record, stream);
+        case 256: return launch<E, kVec, 256, 128>(p, plan, record, stream);
+        default: break;
+      }
+      throw BackendError("rope_pool_fused: no tuned CUDA kernel for head_dim " +
+                         std::to_string(p.head_dim) + " (tuned: 64, 96, 128, 256)");
+    // GPT-J pairs are rare enough to take only the runtime-head_dim kernels.
+    case Path::Vector:
+      return p.interleaved ? launch<E, kVec, 0, kCap, true>(p, plan, record, stream)
+                           : launch<E, kVec, 0, kCap>(p, plan, record, stream);
+    case Path::Scalar:
+      return p.interleaved ? launch<E, 1, 0, kCap, true>(p, plan, record, stream)
+                           : launch<E, 1, 0, kCap>(p, plan, record, stream);
+  }
+}
+
+void run(const RopePoolProblem& p, const LaunchConfig& overrides) {
+  const LaunchPlan plan = cuda_launch::plan_launch(p, overrides);  // may throw Error
+  const int device = device_of(p.q.data);
+  DeviceGuard guard(device);
+  report_pending_slot_error(device);
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  if (p.check_slots) check_slots_on_host(p, stream);
+  SlotErrorRecord* record = error_record_for_device(device);
+  switch (p.dtype) {
+    case DType::Float32: return launch_dtype<cuda::F32>(p, plan, record, stream);
+    case DType::Float16: return launch_dtype<cuda::F16>(p, plan, record, stream);
+    case DType::BFloat16: return launch_dtype<cuda::BF16>(p, plan, record, stream);
+    default: throw BackendError("rope_pool_fused: unsupported dtype reached the CUDA backend");
+  }
+}
+
+}  // namespace
+
+namespace cuda_launch {
+void rope_pool_cuda_with(const RopePoolProblem& problem, const LaunchConfig& overrides) {
+  run(problem, overrides);
+}
+}  // namespace cuda_launch
+
+bool cuda_backend_available() {
+  static const bool available = [] {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+  }();
+  return available;
+}
+
+void rope_pool_cuda(const RopePoolProblem& problem) { run(problem, {}); }
+
+}  // namespace ropepool::detail
+
+namespace ropepool {
+
+void cuda_check_slot_errors(int device) {
+  using namespace detail;
+  if (device < 0) check(cudaGetDevice(&device), "cudaGetDevice");
+  if (device >= kMaxDevices)
+    throw BackendError("rope_pool_fused: CUDA device " + std::to_string(device) +
+                       " is beyond the " + std::to_string(kMaxDevices) + " this build supports");
+  DeviceGuard guard(device);
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  report_pending_slot_error(device);
+}
+
+}  // namespace ropepool
