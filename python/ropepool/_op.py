@@ -73,8 +73,8 @@ def rope_pool_fused(
         for name, t in zip(_TENSOR_ARGS, tensors):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(
-                    f"rope_pool_fused: q is a torch.Tensor but {name} is a "
-                    f"{type(t).__name__}; pass every array as a torch.Tensor"
+                    f"rope_pool_fused: {name} is a {type(t).__name__} but other arguments "
+                    "are torch.Tensors; pass every array as a torch.Tensor"
                 )
         # Through the custom op, so torch.compile sees one opaque call that mutates the
         # pools. A custom op cannot return its mutated inputs, so the pools are returned

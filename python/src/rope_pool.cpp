@@ -67,6 +67,16 @@ TensorView to_view(const Array& a) {
     t.shape[i] = static_cast<int64_t>(a.shape(i));
     t.strides[i] = a.stride(i);  // nanobind strides are in elements, like TensorView's
   }
+  // An empty array addresses no memory, so its strides mean nothing, and producers say so:
+  // torch exports [0, H, D] with strides (0, 0, 0). Row-major strides keep T = 0 calls
+  // (SPEC §1) from failing the layout checks.
+  if (t.numel() == 0) {
+    int64_t stride = 1;
+    for (int i = t.ndim - 1; i >= 0; --i) {
+      t.strides[i] = stride;
+      stride *= t.shape[i] > 0 ? t.shape[i] : 1;
+    }
+  }
   return t;
 }
 

@@ -1,0 +1,82 @@
+"""Package surface: version, thread control, signatures and docstrings; and a check that the
+accuracy test itself can fail (it rejects plain float32 angles near position 2**20)."""
+
+import inspect
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import ropepool
+from rope_testing import assert_within_bound, make_case, rope_exact
+
+
+def test_version():
+    assert re.fullmatch(r"\d+\.\d+\.\d+", ropepool.__version__)
+    from importlib.metadata import version
+    assert version("ropepool") == ropepool.__version__
+
+
+def test_num_threads_round_trip():
+    default = ropepool.get_num_threads()
+    assert default >= 1
+    try:
+        ropepool.set_num_threads(1)
+        assert ropepool.get_num_threads() == 1
+        ropepool.set_num_threads(3)
+        assert ropepool.get_num_threads() == 3
+        ropepool.set_num_threads(0)  # back to the default
+        assert ropepool.get_num_threads() == default
+        with pytest.raises(ValueError, match="n must be >= 0"):
+            ropepool.set_num_threads(-2)
+    finally:
+        ropepool.set_num_threads(0)
+
+
+def test_signature_is_explicit_and_keyword_only():
+    sig = inspect.signature(ropepool.rope_pool_fused)
+    positional = [p.name for p in sig.parameters.values()
+                  if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    keyword_only = {p.name: p.default for p in sig.parameters.values()
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert positional == ["q", "k", "v", "positions", "slots", "k_pool", "v_pool"]
+    empty = inspect.Parameter.empty
+    assert keyword_only == {"head_dim": empty, "num_qo_heads": empty, "num_kv_heads": empty,
+                            "rope_base": empty, "check_slots": False}
+    for fn in (ropepool.rope_pool_fused, ropepool.set_num_threads, ropepool.get_num_threads):
+        assert fn.__doc__ and len(fn.__doc__) > 40
+
+
+def test_the_bound_rejects_float32_angles(rng):
+    """The accuracy check has teeth: the seed kernel's float32 `pos * inv_freq` angle,
+    evaluated exactly otherwise, fails it near position 2**20 (SPEC §1)."""
+    T, D = 64, 128
+    case = make_case("numpy", "float32", rng, T=T, Hq=4, Hk=2, D=D, P=T,
+                     positions=2**20 - 1 - rng.integers(0, 1024, size=T), rope_base=10000.0)
+    x = case.q.astype(np.float64)
+    inv_freq = (10000.0 ** (-2.0 * np.arange(D // 2) / D)).astype(np.float32)
+    theta = (case.positions.astype(np.float32)[:, None] * inv_freq[None, :]).astype(np.float64)
+    a, b = x[..., : D // 2], x[..., D // 2:]
+    cos, sin = np.cos(theta)[:, None], np.sin(theta)[:, None]
+    naive = np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1).astype(np.float32)
+    with pytest.raises(AssertionError, match="outside the SPEC bound"):
+        assert_within_bound(naive, case.q, case.positions, case.rope_base, "naive")
+    # ... while the exact values rounded once to float32 pass.
+    exact = rope_exact(case.q, case.positions, case.rope_base)[0].astype(np.float32)
+    assert_within_bound(exact, case.q, case.positions, case.rope_base, "rounded exact")
+
+
+def test_the_bound_sees_one_ulp(rng):
+    """Two units in the last place off in one bfloat16 element is caught."""
+    case = make_case("torch", "bfloat16", rng, T=3, Hq=2, Hk=2, D=8, P=3,
+                     positions=[5, 6, 7])
+    exact, abs_ab = rope_exact(case.q, case.positions, case.rope_base)
+    out = torch.from_numpy(exact).to(torch.bfloat16)
+    assert_within_bound(out, case.q, case.positions, case.rope_base, "rounded exact")
+    # An element that is large next to |a| + |b| (one of each pair is >= (|a| + |b|) / 2),
+    # so the bound there is essentially one ulp.
+    where = np.unravel_index(np.argmax(np.abs(exact) / abs_ab), exact.shape)
+    out.view(torch.int16)[where] += 2  # two ulps further from zero
+    with pytest.raises(AssertionError, match="1 of 48 elements"):
+        assert_within_bound(out, case.q, case.positions, case.rope_base, "off by 2 ulp")

@@ -1,0 +1,146 @@
+"""The torch.library custom op: registration checks (opcheck), torch.compile(fullgraph=True)
+without graph breaks, results identical to eager, pools updated in place."""
+
+import numpy as np
+import pytest
+import torch
+
+import ropepool
+from rope_testing import Case, assert_pool_writes, assert_within_bound, make_case, raw_bits
+
+
+def clone_case(case):
+    """Same inputs, private copies of the pools."""
+    return Case(case.q, case.k, case.v, case.positions, case.slots, case.k_pool.clone(),
+                case.v_pool.clone(), case.head_dim, case.num_qo_heads, case.num_kv_heads,
+                case.rope_base).snapshot()
+
+
+def test_registered_as_custom_op():
+    op = torch.ops.ropepool.rope_pool_fused.default
+    schema = str(op._schema)
+    assert schema.startswith("ropepool::rope_pool_fused(Tensor q, Tensor k, Tensor v, "
+                             "Tensor positions, Tensor slots, Tensor(a5!) k_pool, "
+                             "Tensor(a6!) v_pool"), schema
+    assert schema.endswith("-> (Tensor, Tensor)"), schema
+
+
+def test_opcheck(kernel_device, rng):
+    """torch.library.opcheck: schema (mutations declared), fake implementation matches the
+    real one, works under FakeTensor/functionalization."""
+    case = make_case("torch", "bfloat16", rng, T=7, Hq=4, Hk=2, D=64, P=16, device=kernel_device)
+    args = case.args() + (case.head_dim, case.num_qo_heads, case.num_kv_heads, case.rope_base,
+                          False)
+    torch.library.opcheck(torch.ops.ropepool.rope_pool_fused.default, args)
+
+
+def _attention_prologue(q, k, v, positions, slots, k_pool, v_pool, head_dim, num_qo_heads,
+                        num_kv_heads, rope_base):
+    """What a model's attention layer does around the op: torch ops before and after."""
+    q = q * 1.0  # an op before, so the custom op sits inside a larger graph
+    q_rot, k_rot, k_pool, v_pool = ropepool.rope_pool_fused(
+        q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
+        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base)
+    return q_rot + 0.0, k_rot, k_pool, v_pool
+
+
+def _op_alone(q, k, v, positions, slots, k_pool, v_pool, head_dim, num_qo_heads,
+              num_kv_heads, rope_base):
+    return ropepool.rope_pool_fused(
+        q, k, v, positions, slots, k_pool, v_pool, head_dim=head_dim,
+        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base)
+
+
+# aot_eager traces everything inductor sees (FakeTensor, functionalization of the pool
+# mutation) and is fast; inductor itself is run on the op alone, one shape, because each of
+# its C++ kernel compiles costs tens of seconds on a small machine.
+@pytest.mark.parametrize("backend,fn,token_counts", [
+    ("aot_eager", _attention_prologue, (13, 29)),
+    ("inductor", _op_alone, (13,)),
+])
+def test_compile_fullgraph_matches_eager(backend, fn, token_counts, kernel_device, rng):
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    for T in token_counts:  # a second shape recompiles or runs dynamic, never breaks the graph
+        eager = make_case("torch", "bfloat16", rng, T=T, Hq=8, Hk=2, D=128, P=64,
+                          device=kernel_device).snapshot()
+        traced = clone_case(eager)
+        q_e, k_e, _, _ = fn(*eager.args(), **eager.kwargs())
+        q_c, k_c, k_pool, v_pool = compiled(*traced.args(), **traced.kwargs())
+        assert k_pool is traced.k_pool and v_pool is traced.v_pool
+        np.testing.assert_array_equal(raw_bits(q_c), raw_bits(q_e))
+        np.testing.assert_array_equal(raw_bits(k_c), raw_bits(k_e))
+        np.testing.assert_array_equal(raw_bits(traced.k_pool), raw_bits(eager.k_pool))
+        np.testing.assert_array_equal(raw_bits(traced.v_pool), raw_bits(eager.v_pool))
+        assert_within_bound(q_c, traced.q, traced.positions, traced.rope_base, "q_rot")
+        assert_pool_writes(traced, k_c)
+        traced.assert_unchanged("q", "k", "v", "positions", "slots")
+
+
+def test_compile_counts_one_graph(rng):
+    """fullgraph=True already fails on a graph break; this also checks the op is in the
+    graph as one call, with the pools as mutated inputs."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_attention_prologue, fullgraph=True, backend=counter)
+    case = make_case("torch", "float32", rng, T=11, Hq=4, Hk=4, D=64, P=32).snapshot()
+    compiled(*case.args(), **case.kwargs())
+    assert counter.frame_count == 1
+    graph_code = counter.graphs[0].code
+    assert graph_code.count("ropepool.rope_pool_fused") == 1, graph_code
+
+
+def test_errors_propagate_through_the_op(rng):
+    """A ValueError raised inside the custom op keeps its message and note."""
+    case = make_case("torch", "float32", rng, T=4, Hq=4, Hk=2, D=64, P=8)
+    with pytest.raises(ValueError) as info:
+        ropepool.rope_pool_fused(case.q, case.k, case.v, case.positions, case.slots,
+                                 case.k_pool[None], case.v_pool, **case.kwargs())
+    assert str(info.value) == "rope_pool_fused expects pool tensors to be 3-D"
+    assert info.value.__notes__ == [
+        "a layer-stacked pool [L, P, H, D] must be indexed as `k_pool[layer]`"]
+
+
+def test_inductor_writes_the_pools_in_place(rng):
+    """Functionalization must not turn the in-place pool update into copy-then-write-back:
+    the compiled code calls the op on the graph's own pool inputs, with no clone or copy_."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    case = make_case("torch", "float16", rng, T=6, Hq=4, Hk=2, D=64, P=20).snapshot()
+    compiled = torch.compile(_op_alone, fullgraph=True, backend="inductor")
+    (q_rot, k_rot, _, _), codes = run_and_get_code(compiled, *case.args(), **case.kwargs())
+    code = "\n".join(codes)
+    assert "torch.ops.ropepool.rope_pool_fused.default(" in code, code
+    assert ".clone(" not in code and "copy_(" not in code, code
+    assert_pool_writes(case, k_rot)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_side_stream_and_graph_replay(rng):
+    """SPEC §5: the op runs on the caller's current stream and can be captured in a CUDA
+    graph; replays with new contents of the static inputs give fresh results."""
+    if not ropepool.cuda_backend:
+        pytest.skip("this ropepool build has no CUDA backend")
+    case = make_case("torch", "bfloat16", rng, T=32, Hq=8, Hk=2, D=128, P=96, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up outside capture
+            _op_alone(*case.args(), **case.kwargs())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            q_rot, k_rot, _, _ = _op_alone(*case.args(), **case.kwargs())
+    torch.cuda.current_stream().wait_stream(side)
+    fresh = make_case("torch", "bfloat16", rng, T=32, Hq=8, Hk=2, D=128, P=96, device="cuda")
+    for name in ("q", "k", "v", "positions", "slots", "k_pool", "v_pool"):
+        getattr(case, name).copy_(getattr(fresh, name))
+    case.snapshot()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_within_bound(q_rot, case.q, case.positions, case.rope_base, "q_rot")
+    assert_within_bound(k_rot, case.k, case.positions, case.rope_base, "k_rot")
+    assert_pool_writes(case, k_rot)
