@@ -1,97 +1,117 @@
-// CPU backend (first version: plain scalar loops, single thread).
-#include <cmath>
-#include <cstring>
-#include <numbers>
+// CPU backend entry: plans one call (threads, blocks, duplicate slots, store policy) and runs
+// the SIMD kernel on the persistent thread pool. The math is in kernel_hwy.cpp.
+#include <algorithm>
+#include <atomic>
+#include <cassert>
 #include <vector>
 
-#include "../backend.hpp"
-#include "ropepool/half.hpp"
+#include "cpu_kernels.hpp"
+#include "ropepool/rope_pool.hpp"
 
 namespace ropepool::detail {
+namespace cpu {
 namespace {
 
-struct F32 {
-  using T = float;
-  static float load(float x) { return x; }
-  static float store(float x) { return x; }
-};
-struct F16 {
-  using T = uint16_t;
-  static float load(uint16_t x) { return half_to_float(x); }
-  static uint16_t store(float x) { return float_to_half(x); }
-};
-struct BF16 {
-  using T = uint16_t;
-  static float load(uint16_t x) { return bf16_to_float(x); }
-  static uint16_t store(float x) { return float_to_bf16(x); }
-};
+// Below this much memory traffic a call runs on the calling thread: waking a worker costs
+// a few microseconds, as long as moving ~this many bytes.
+constexpr int64_t kParallelMinBytes = 256 << 10;
 
-// The angle reduced in double (|pos * inv_freq| up to ~2^21 keeps ~30 correct bits after
-// reduction), then float32 sin/cos on [-pi, pi].
-void sincos_table(int64_t pos, const double* inv_freq, int64_t half, double scale, float* cos_out,
-                  float* sin_out) {
-  constexpr double kTwoPi = 2 * std::numbers::pi;
-  for (int64_t i = 0; i < half; ++i) {
-    const double theta = double(pos) * inv_freq[i];
-    const float r = float(theta - std::nearbyint(theta / kTwoPi) * kTwoPi);
-    cos_out[i] = float(scale) * std::cos(r);
-    sin_out[i] = float(scale) * std::sin(r);
+std::atomic<KernelVariant> g_variant{KernelVariant::highway};
+
+// With several threads, tokens that share a slot may be processed concurrently. Mark every
+// such token except the last one so exactly one complete row reaches the pool ("last token
+// wins", as in a sequential pass). One O(T) pass over an open-addressing table of
+// (slot -> latest token); scratch grows with T, never with the pool.
+const uint8_t* mark_superseded_pool_writes(const Index& slots, int64_t num_tokens) {
+  thread_local std::vector<uint8_t> superseded;
+  thread_local std::vector<int64_t> keys;
+  thread_local std::vector<int64_t> latest;
+  superseded.assign(size_t(num_tokens), 0);
+  size_t capacity = 16;
+  while (capacity < size_t(2 * num_tokens)) capacity *= 2;
+  keys.assign(capacity, -1);
+  if (latest.size() < capacity) latest.resize(capacity);
+  const size_t mask = capacity - 1;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    size_t i = size_t(uint64_t(slot) * 0x9E3779B97F4A7C15ull >> 32) & mask;
+    while (keys[i] != -1 && keys[i] != slot) i = (i + 1) & mask;
+    if (keys[i] == slot) superseded[size_t(latest[i])] = 1;
+    keys[i] = slot;
+    latest[i] = t;
   }
+  return superseded.data();
 }
 
-template <class E>
-void rotate_row(const typename E::T* x, typename E::T* out, typename E::T* out2, const float* c,
-                const float* s, int64_t R, int64_t D) {
-  const int64_t half = R / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = E::load(x[i]), b = E::load(x[i + half]);
-    const auto lo = E::store(a * c[i] - b * s[i]);
-    const auto hi = E::store(a * s[i] + b * c[i]);
-    out[i] = lo;
-    out[i + half] = hi;
-    if (out2) {
-      out2[i] = lo;
-      out2[i + half] = hi;
-    }
-  }
-  for (int64_t d = R; d < D; ++d) {
-    out[d] = x[d];
-    if (out2) out2[d] = x[d];
-  }
-}
+struct ParallelWork {
+  const CallPlan* plan;
+  void (*run_block)(const CallPlan&, const Block&);
+  int64_t tokens_per_item;  // > 1 only when heads are not split
+  int64_t head_groups;      // > 1 only when tokens_per_item == 1
+  int64_t num_tokens, num_heads;
+};
 
-template <class E>
-void run(const RopePoolProblem& p) {
-  using T = typename E::T;
-  const int64_t half = p.rotary_dim / 2, D = p.head_dim;
-  std::vector<float> cs(static_cast<size_t>(2 * half));
-  auto at = [](const Rows& r, int64_t row, int64_t h) {
-    return static_cast<T*>(r.data) + row * r.row_stride + h * r.head_stride;
-  };
-  for (int64_t t = 0; t < p.num_tokens; ++t) {
-    sincos_table(p.positions[t], p.inv_freq, half, p.attention_scaling, cs.data(),
-                 cs.data() + half);
-    const int64_t slot = p.slots[t];
-    for (int64_t h = 0; h < p.num_qo_heads; ++h)
-      rotate_row<E>(at(p.q, t, h), at(p.q_out, t, h), nullptr, cs.data(), cs.data() + half,
-                    p.rotary_dim, D);
-    for (int64_t h = 0; h < p.num_kv_heads; ++h) {
-      rotate_row<E>(at(p.k, t, h), at(p.k_out, t, h), slot >= 0 ? at(p.k_pool, slot, h) : nullptr,
-                    cs.data(), cs.data() + half, p.rotary_dim, D);
-      if (slot >= 0) std::memcpy(at(p.v_pool, slot, h), at(p.v, t, h), size_t(D) * sizeof(T));
-    }
-  }
+void run_item(const void* ctx, int64_t item) {
+  const auto& w = *static_cast<const ParallelWork*>(ctx);
+  const int64_t chunk = item / w.head_groups, group = item % w.head_groups;
+  Block b;
+  b.token_begin = chunk * w.tokens_per_item;
+  b.token_end = std::min(w.num_tokens, b.token_begin + w.tokens_per_item);
+  b.head_begin = group * w.num_heads / w.head_groups;
+  b.head_end = (group + 1) * w.num_heads / w.head_groups;
+  w.run_block(*w.plan, b);
 }
 
 }  // namespace
 
+void set_kernel_variant(KernelVariant v) { g_variant.store(v, std::memory_order_relaxed); }
+KernelVariant kernel_variant() { return g_variant.load(std::memory_order_relaxed); }
+
+}  // namespace cpu
+
 void rope_pool_cpu(const RopePoolProblem& p) {
-  switch (p.dtype) {
-    case DType::Float32: return run<F32>(p);
-    case DType::Float16: return run<F16>(p);
-    case DType::BFloat16: return run<BF16>(p);
-    default: return;
+  using namespace cpu;
+  assert(p.rotary_dim > 0 && p.rotary_dim % 2 == 0 && p.rotary_dim <= p.head_dim);
+  const int64_t T = p.num_tokens, half = p.rotary_dim / 2;
+  const int64_t num_heads = p.num_qo_heads + p.num_kv_heads;
+  if (T == 0) return;
+
+  // inv_freq padded with zeros so the table loops run on whole vectors.
+  thread_local std::vector<double> inv_freq_padded;
+  const int64_t table_size = round_up(half, kTablePad);
+  inv_freq_padded.assign(size_t(table_size), 0.0);
+  std::copy(p.inv_freq, p.inv_freq + half, inv_freq_padded.begin());
+
+  CallPlan plan;
+  plan.problem = &p;
+  plan.inv_freq_padded = inv_freq_padded.data();
+  plan.table_size = table_size;
+  auto* run_block = kernel_variant() == KernelVariant::autovec ? run_block_autovec : run_block_hwy;
+
+  const int64_t bytes = T * p.head_dim * int64_t(dtype_size(p.dtype)) *
+                        (2 * p.num_qo_heads + 5 * p.num_kv_heads);
+  const int threads = bytes >= kParallelMinBytes ? std::max(1, cpu_num_threads()) : 1;
+  if (threads == 1) {
+    run_block(plan, Block{0, T, 0, num_heads});
+    return;
   }
+  if (!p.check_slots) plan.pool_write_superseded = mark_superseded_pool_writes(p.slots, T);
+
+  // A few items per thread so a thread slowed by other work on the machine is balanced by
+  // the others; tokens in contiguous runs (streaming reads), heads split only when there are
+  // too few tokens (decode batches).
+  const int64_t target_items = int64_t(threads) * 4;
+  ParallelWork work{&plan, run_block, 1, 1, T, num_heads};
+  int64_t num_items;
+  if (T >= target_items) {
+    work.tokens_per_item = (T + target_items - 1) / target_items;
+    num_items = (T + work.tokens_per_item - 1) / work.tokens_per_item;
+  } else {
+    work.head_groups = std::min(num_heads, (target_items + T - 1) / T);
+    num_items = T * work.head_groups;
+  }
+  parallel_for(threads, num_items, run_item, &work);
 }
 
 }  // namespace ropepool::detail

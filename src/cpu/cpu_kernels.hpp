@@ -1,0 +1,67 @@
+// Internal interface of the CPU backend: the per-block kernels (Highway and plain
+// auto-vectorised variants), the vectorised sin/cos table and the thread pool they run on.
+#pragma once
+
+#include <cstdint>
+
+#include "../backend.hpp"
+
+namespace ropepool::detail::cpu {
+
+/// Padding (in elements) of the inv_freq copy and of the sin/cos tables: a multiple of every
+/// vector length Highway may pick (up to 2048-bit vectors), so table loops need no tail.
+inline constexpr int64_t kTablePad = 64;
+
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+/// What every block of one call shares. Built once per call by rope_pool_cpu.
+struct CallPlan {
+  const RopePoolProblem* problem = nullptr;
+  /// R/2 inverse frequencies followed by zeros up to `table_size` (a multiple of kTablePad).
+  const double* inv_freq_padded = nullptr;
+  int64_t table_size = 0;
+  /// nullptr, or one flag per token: 1 when a later token of this call writes the same pool
+  /// slot, so this token's pool write is skipped (deterministic "last token wins" when
+  /// several threads write; only built for multithreaded calls without check_slots).
+  const uint8_t* pool_write_superseded = nullptr;
+  /// Non-temporal stores for q_out/k_out/pool rows: large calls whose outputs cannot stay in
+  /// cache anyway, where skipping the read-for-ownership saves a third of the write traffic.
+  bool stream_stores = false;
+};
+
+/// One unit of work: tokens [token_begin, token_end) x heads [head_begin, head_end) of the
+/// combined head list (q heads 0..Hq-1, then kv heads Hq..Hq+Hk-1; a kv head also copies its
+/// v row and writes both pool rows).
+struct Block {
+  int64_t token_begin, token_end, head_begin, head_end;
+};
+
+/// cos_out[i] = scale * cos(pos * inv_freq[i]), sin_out likewise, for i < n (n a multiple of
+/// kTablePad). The angle is formed and reduced mod 2*pi in double, then float32 sin/cos on
+/// [-pi, pi] (Highway's vector Sin/Cos are only specified on about +-39000).
+void sincos_table(const double* inv_freq, int64_t n, int64_t pos, float scale, float* cos_out,
+                  float* sin_out);
+
+/// The Highway kernel (runtime dispatch to the best target this CPU supports).
+void run_block_hwy(const CallPlan& plan, const Block& block);
+/// The plain C++ kernel, auto-vectorised by the compiler in per-ISA clones.
+void run_block_autovec(const CallPlan& plan, const Block& block);
+
+/// float32 -> dtype with the kernels' vector rounding (RNE, NaN kept NaN), and back; for tests.
+void demote_row_hwy(DType dtype, const float* in, void* out, int64_t n);
+void promote_row_hwy(DType dtype, const void* in, float* out, int64_t n);
+
+/// Which kernel rope_pool_cpu uses (for measurements; the default is the faster one).
+enum class KernelVariant { highway, autovec };
+void set_kernel_variant(KernelVariant v);
+KernelVariant kernel_variant();
+/// The Highway target chosen on this CPU, e.g. "AVX3" (for reports).
+const char* hwy_target_name();
+
+/// Runs body(ctx, item) for every item in [0, num_items) on up to num_threads threads, the
+/// caller included; returns when all items are done. Falls back to the calling thread alone
+/// when another call is using the pool.
+void parallel_for(int num_threads, int64_t num_items, void (*body)(const void* ctx, int64_t item),
+                  const void* ctx);
+
+}  // namespace ropepool::detail::cpu

@@ -1,0 +1,442 @@
+// The Highway CPU kernel: compiled once per SIMD target (foreach_target.h) and picked at
+// run time (HWY_DYNAMIC_DISPATCH); no global -march flags.
+//
+// Per token: one sin/cos table (R/2 entries) shared by every q and k head of the token;
+// per head: load pairs (x[i], x[i + R/2]) widened to float32, rotate, round once and store.
+// A kv head's rotated row goes to k_out and to its pool row from the same registers, and its
+// v row is copied to the v pool row.
+
+// Included by foreach_target.h once per target; the path is relative to include/ (which is
+// on the include path of every file of the library) because foreach_target.h resolves it.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "../src/cpu/kernel_hwy.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "hwy/cache_control.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+
+#include "cpu_kernels.hpp"
+#include "ropepool/half.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace ropepool::detail::cpu {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+using DU16 = hn::Rebind<uint16_t, DF>;  // half-width: one uint16 per float lane
+using VU16 = hn::Vec<DU16>;
+
+// Element formats: storage type, widening load and rounding store (RNE, NaN kept NaN).
+struct Float32 {
+  using T = float;
+  static VF load(DF df, const T* p) { return hn::LoadU(df, p); }
+  static float scalar_load(T x) { return x; }
+  static T scalar_store(float x) { return x; }
+};
+
+struct BFloat16 {
+  using T = uint16_t;
+  static VF load(DF df, const T* p) {
+    const hn::RebindToUnsigned<DF> du32;
+    return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(DU16(), p))));
+  }
+  // Highway 1.0.3 DemoteTo(bfloat16) truncates, so round to nearest even with integer ops:
+  // adding 0x7fff plus the lowest kept bit carries into the kept bits exactly when the
+  // dropped half is above a tie, or a tie with an odd kept part.
+  static VU16 store_bits(DF /*df*/, VF v) {
+    const hn::RebindToUnsigned<DF> du32;
+    const hn::RebindToSigned<DF> di32;
+    const auto u = hn::BitCast(du32, v);
+    const auto rounded =
+        hn::Add(u, hn::Add(hn::Set(du32, 0x7fffu), hn::And(hn::ShiftRight<16>(u), hn::Set(du32, 1u))));
+    const auto quiet_nan = hn::Or(u, hn::Set(du32, 0x400000u));  // sets the bf16 quiet bit
+    const auto bits = hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(v)), quiet_nan, rounded);
+    return hn::DemoteTo(DU16(), hn::BitCast(di32, hn::ShiftRight<16>(bits)));
+  }
+  static float scalar_load(T x) { return bf16_to_float(x); }
+  static T scalar_store(float x) { return float_to_bf16(x); }
+};
+
+#undef ROPEPOOL_HWY_F16C  // defined once per target
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+#define ROPEPOOL_HWY_F16C 1
+#else
+#define ROPEPOOL_HWY_F16C 0
+#endif
+
+struct Float16 {
+  using T = uint16_t;
+  static VF load(DF df, const T* p) {
+#if ROPEPOOL_HWY_F16C
+    return hn::PromoteTo(df, hn::BitCast(hn::Rebind<hwy::float16_t, DF>(), hn::LoadU(DU16(), p)));
+#else
+    // Highway 1.0.3's emulated PromoteTo turns inf/NaN into large finite numbers; this is
+    // ropepool::half_to_float in vector form.
+    const hn::RebindToUnsigned<DF> du32;
+    const hn::RebindToSigned<DF> di32;
+    const auto h = hn::PromoteTo(du32, hn::LoadU(DU16(), p));
+    const auto sign = hn::ShiftLeft<16>(hn::And(h, hn::Set(du32, 0x8000u)));
+    const auto exp = hn::And(hn::ShiftRight<10>(h), hn::Set(du32, 0x1fu));
+    const auto man = hn::And(h, hn::Set(du32, 0x3ffu));
+    const auto normal = hn::Or(hn::ShiftLeft<23>(hn::Add(exp, hn::Set(du32, 112u))),
+                               hn::ShiftLeft<13>(man));
+    const auto special = hn::Or(hn::Set(du32, 0x7f800000u), hn::ShiftLeft<13>(man));
+    const auto subnormal = hn::BitCast(  // man * 2^-24, exact
+        du32, hn::Mul(hn::ConvertTo(df, hn::BitCast(di32, man)), hn::Set(df, 1.0f / 16777216.0f)));
+    const auto exp_i = hn::BitCast(di32, exp);
+    auto bits = hn::IfThenElse(hn::RebindMask(du32, hn::Eq(exp_i, hn::Zero(di32))), subnormal, normal);
+    bits = hn::IfThenElse(hn::RebindMask(du32, hn::Eq(exp_i, hn::Set(di32, 0x1f))), special, bits);
+    return hn::BitCast(df, hn::Or(bits, sign));
+#endif
+  }
+  static VU16 store_bits(DF df, VF v) {
+#if ROPEPOOL_HWY_F16C
+    (void)df;
+    // F16C vcvtps2ph with rounding control 0: round to nearest even, NaN stays NaN.
+    return hn::BitCast(DU16(), hn::DemoteTo(hn::Rebind<hwy::float16_t, DF>(), v));
+#else
+    // Targets without F16C: Highway's emulated DemoteTo truncates the mantissa, so this is
+    // ropepool::float_to_half in vector form.
+    const hn::RebindToUnsigned<DF> du32;
+    const hn::RebindToSigned<DF> di32;
+    const auto u = hn::BitCast(du32, v);
+    const auto sign = hn::And(hn::ShiftRight<16>(u), hn::Set(du32, 0x8000u));
+    const auto abs = hn::And(u, hn::Set(du32, 0x7fffffffu));
+    const auto abs_i = hn::BitCast(di32, abs);
+    // normal: rebias the exponent, round 23 -> 10 mantissa bits, ties to even
+    auto w = hn::Sub(abs, hn::Set(du32, 0x38000000u));
+    w = hn::Add(w, hn::Add(hn::Set(du32, 0xfffu), hn::And(hn::ShiftRight<13>(w), hn::Set(du32, 1u))));
+    auto h = hn::ShiftRight<13>(w);
+    // subnormal result: abs / 2^-24 rounded to an integer (exact scaling, RNE conversion)
+    const auto sub = hn::BitCast(
+        du32, hn::NearestInt(hn::Mul(hn::BitCast(df, abs), hn::Set(df, 16777216.0f))));
+    h = hn::IfThenElse(hn::RebindMask(du32, hn::Lt(abs_i, hn::Set(di32, 0x38800000))), sub, h);
+    h = hn::IfThenElse(hn::RebindMask(du32, hn::Gt(abs_i, hn::Set(di32, 0x477fefff))),
+                       hn::Set(du32, 0x7c00u), h);  // rounds to >= 65520: inf
+    const auto nan = hn::Or(hn::Set(du32, 0x7e00u),
+                            hn::And(hn::ShiftRight<13>(abs), hn::Set(du32, 0x3ffu)));
+    h = hn::IfThenElse(hn::RebindMask(du32, hn::Gt(abs_i, hn::Set(di32, 0x7f800000))), nan, h);
+    return hn::DemoteTo(DU16(), hn::BitCast(di32, hn::Or(h, sign)));
+#endif
+  }
+  static float scalar_load(T x) { return half_to_float(x); }
+  static T scalar_store(float x) { return float_to_half(x); }
+};
+
+// Non-temporal stores only where the stored vectors are full 128/256/512-bit registers.
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+constexpr bool kCanStream = true;
+#else
+constexpr bool kCanStream = false;
+#endif
+
+template <class E>
+HWY_INLINE void StoreVec(DF df, VF v, typename E::T* p, bool stream) {
+  if constexpr (!kCanStream) {
+    (void)stream;
+    if constexpr (std::is_same_v<E, Float32>)
+      hn::StoreU(v, df, p);
+    else
+      hn::StoreU(E::store_bits(df, v), DU16(), p);
+  } else if constexpr (std::is_same_v<E, Float32>) {
+    if (stream)
+      hn::Stream(v, df, p);
+    else
+      hn::StoreU(v, df, p);
+  } else {
+    const VU16 bits = E::store_bits(df, v);
+    if (stream)
+      hn::Stream(bits, DU16(), p);
+    else
+      hn::StoreU(bits, DU16(), p);
+  }
+}
+
+// Non-temporal stores need vector-aligned addresses.
+HWY_INLINE bool Aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+HWY_INLINE void CopyBytes(void* dst, const void* src, size_t n, bool stream) {
+  const hn::ScalableTag<uint8_t> d8;
+  const size_t N = hn::Lanes(d8);
+  if (!kCanStream || !stream || !Aligned(dst, N)) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  auto* out = static_cast<uint8_t*>(dst);
+  const auto* in = static_cast<const uint8_t*>(src);
+  size_t i = 0;
+  for (; i + N <= n; i += N) hn::Stream(hn::LoadU(d8, in + i), d8, out + i);
+  std::memcpy(out + i, in + i, n - i);
+}
+
+// One head: rotate x[0, R) into `out` (and `out2` when not null), copy x[R, D).
+template <class E>
+HWY_INLINE void RotateRow(const typename E::T* x, typename E::T* out,
+                          typename E::T* out2, const float* HWY_RESTRICT cos_t,
+                          const float* HWY_RESTRICT sin_t, int64_t rotary_dim, int64_t head_dim,
+                          bool stream) {
+  using T = typename E::T;
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const int64_t half = rotary_dim / 2;
+  const size_t vec_bytes = size_t(N) * sizeof(T);
+  const size_t half_bytes = size_t(half) * sizeof(T);
+  // Streaming only when every vector store lands aligned (the second half starts at
+  // out + half, so half * sizeof(T) must keep the alignment too).
+  if (stream) {
+    stream = half_bytes % vec_bytes == 0 && Aligned(out, vec_bytes) &&
+             (out2 == nullptr || Aligned(out2, vec_bytes));
+  }
+  int64_t i = 0;
+  for (; i + N <= half; i += N) {
+    const VF a = E::load(df, x + i);
+    const VF b = E::load(df, x + half + i);
+    const VF c = hn::LoadU(df, cos_t + i);
+    const VF s = hn::LoadU(df, sin_t + i);
+    const VF lo = hn::MulSub(a, c, hn::Mul(b, s));  // a*cos - b*sin
+    const VF hi = hn::MulAdd(a, s, hn::Mul(b, c));  // a*sin + b*cos
+    StoreVec<E>(df, lo, out + i, stream);
+    StoreVec<E>(df, hi, out + half + i, stream);
+    if (out2) {
+      StoreVec<E>(df, lo, out2 + i, stream);
+      StoreVec<E>(df, hi, out2 + half + i, stream);
+    }
+  }
+  for (; i < half; ++i) {  // tail when R/2 is not a multiple of the vector length
+    const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + half]);
+    const T lo = E::scalar_store(a * cos_t[i] - b * sin_t[i]);
+    const T hi = E::scalar_store(a * sin_t[i] + b * cos_t[i]);
+    out[i] = lo;
+    out[i + half] = hi;
+    if (out2) {
+      out2[i] = lo;
+      out2[i + half] = hi;
+    }
+  }
+  if (rotary_dim < head_dim) {  // partial rotary: the rest passes through
+    const size_t rest = size_t(head_dim - rotary_dim) * sizeof(T);
+    std::memcpy(out + rotary_dim, x + rotary_dim, rest);
+    if (out2) std::memcpy(out2 + rotary_dim, x + rotary_dim, rest);
+  }
+}
+
+void SinCosTable(const double* HWY_RESTRICT inv_freq, int64_t n, int64_t pos, float scale,
+                 float* HWY_RESTRICT cos_out, float* HWY_RESTRICT sin_out) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> df_half;  // as many floats as doubles
+  const DF df;
+  const int64_t Nd = static_cast<int64_t>(hn::Lanes(dd));
+  const int64_t Nf = static_cast<int64_t>(hn::Lanes(df));
+  // theta = pos * inv_freq in double (|theta| < 2^21 for |pos| < 2^20 keeps ~32 fraction
+  // bits), reduced to [-pi, pi]: r = theta - n * 2pi with one rounding (fused multiply-add on
+  // FMA targets); the error of the double 2pi times n (< 2^18) stays below 2^-32.
+  const auto pos_d = hn::Set(dd, static_cast<double>(pos));
+  const auto two_pi = hn::Set(dd, 6.283185307179586);
+  const auto inv_two_pi = hn::Set(dd, 0.15915494309189535);
+  for (int64_t i = 0; i < n; i += Nd) {
+    const auto theta = hn::Mul(pos_d, hn::LoadU(dd, inv_freq + i));
+    const auto turns = hn::Round(hn::Mul(theta, inv_two_pi));
+    const auto r = hn::NegMulAdd(turns, two_pi, theta);
+    // Store the float angles into sin_out, overwritten in place below.
+    hn::StoreU(hn::DemoteTo(df_half, r), df_half, sin_out + i);
+  }
+  const auto vscale = hn::Set(df, scale);
+  for (int64_t i = 0; i < n; i += Nf) {
+    const VF r = hn::LoadU(df, sin_out + i);
+    hn::StoreU(hn::Mul(vscale, hn::Cos(df, r)), df, cos_out + i);
+    hn::StoreU(hn::Mul(vscale, hn::Sin(df, r)), df, sin_out + i);
+  }
+}
+
+// GPT-J pairs (x[2i], x[2i+1]): out = x * cos_il + swap_pairs(x) * sin_il, with tables that
+// repeat each frequency's cos twice and carry sin as (-sin, +sin), so the pair elements stay
+// in place in one register.
+template <class E>
+HWY_INLINE void RotateRowInterleaved(const typename E::T* x, typename E::T* out,
+                                     typename E::T* out2, const float* HWY_RESTRICT cos_il,
+                                     const float* HWY_RESTRICT sin_il, int64_t rotary_dim,
+                                     int64_t head_dim, bool stream) {
+  using T = typename E::T;
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const size_t vec_bytes = size_t(N) * sizeof(T);
+  if (stream)
+    stream = Aligned(out, vec_bytes) && (out2 == nullptr || Aligned(out2, vec_bytes));
+  int64_t j = 0;
+#if HWY_TARGET != HWY_SCALAR  // one-lane vectors hold no pair
+  for (; j + N <= rotary_dim; j += N) {
+    const VF v = E::load(df, x + j);
+    const VF r = hn::MulAdd(v, hn::LoadU(df, cos_il + j),
+                            hn::Mul(hn::Reverse2(df, v), hn::LoadU(df, sin_il + j)));
+    StoreVec<E>(df, r, out + j, stream);
+    if (out2) StoreVec<E>(df, r, out2 + j, stream);
+  }
+#endif
+  for (; j < rotary_dim; j += 2) {  // j is even: vectors hold whole pairs
+    const float a = E::scalar_load(x[j]), b = E::scalar_load(x[j + 1]);
+    const float c = cos_il[j], s = sin_il[j + 1];
+    const T lo = E::scalar_store(a * c - b * s);
+    const T hi = E::scalar_store(a * s + b * c);
+    out[j] = lo;
+    out[j + 1] = hi;
+    if (out2) {
+      out2[j] = lo;
+      out2[j + 1] = hi;
+    }
+  }
+  if (rotary_dim < head_dim) {
+    const size_t rest = size_t(head_dim - rotary_dim) * sizeof(T);
+    std::memcpy(out + rotary_dim, x + rotary_dim, rest);
+    if (out2) std::memcpy(out2 + rotary_dim, x + rotary_dim, rest);
+  }
+}
+
+template <class E>
+void RunBlockT(const CallPlan& plan, const Block& block) {
+  using T = typename E::T;
+  const RopePoolProblem& p = *plan.problem;
+  // Per-thread table, sized by head_dim (grows once, reused across calls).
+  // cos, sin (table_size each), then the interleaved forms (2 * table_size each).
+  const int64_t n = plan.table_size;
+  thread_local std::vector<float> table;
+  if (table.size() < size_t(6 * n)) table.resize(size_t(6 * n));
+  float* cos_t = table.data();
+  float* sin_t = cos_t + n;
+  float* cos_il = sin_t + n;
+  float* sin_il = cos_il + 2 * n;
+  const float scale = static_cast<float>(p.attention_scaling);
+  const int64_t Hq = p.num_qo_heads, D = p.head_dim, R = p.rotary_dim;
+  const bool stream = plan.stream_stores;
+  auto row = [](const Rows& r, int64_t index, int64_t head) {
+    return static_cast<T*>(r.data) + index * r.row_stride + head * r.head_stride;
+  };
+  for (int64_t t = block.token_begin; t < block.token_end; ++t) {
+    SinCosTable(plan.inv_freq_padded, n, p.positions[t], scale, cos_t, sin_t);
+    if (p.interleaved) {
+      for (int64_t i = 0; i < n; ++i) {
+        cos_il[2 * i] = cos_il[2 * i + 1] = cos_t[i];
+        sin_il[2 * i] = -sin_t[i];
+        sin_il[2 * i + 1] = sin_t[i];
+      }
+    }
+    auto rotate = [&](const T* x, T* out, T* out2) {
+      if (p.interleaved)
+        RotateRowInterleaved<E>(x, out, out2, cos_il, sin_il, R, D, stream);
+      else
+        RotateRow<E>(x, out, out2, cos_t, sin_t, R, D, stream);
+    };
+    int64_t slot = p.slots[t];
+    if (plan.pool_write_superseded && plan.pool_write_superseded[t]) slot = -1;
+    for (int64_t h = block.head_begin; h < block.head_end; ++h) {
+      if (h < Hq) {
+        rotate(row(p.q, t, h), row(p.q_out, t, h), nullptr);
+        continue;
+      }
+      const int64_t kv = h - Hq;
+      rotate(row(p.k, t, kv), row(p.k_out, t, kv), slot >= 0 ? row(p.k_pool, slot, kv) : nullptr);
+      if (slot >= 0)
+        CopyBytes(row(p.v_pool, slot, kv), row(p.v, t, kv), size_t(D) * sizeof(T), stream);
+    }
+  }
+  // Non-temporal stores are weakly ordered: fence before this thread reports completion.
+  if (stream) hwy::FlushStream();
+}
+
+void RunBlock(const CallPlan& plan, const Block& block) {
+  switch (plan.problem->dtype) {
+    case DType::Float32: return RunBlockT<Float32>(plan, block);
+    case DType::Float16: return RunBlockT<Float16>(plan, block);
+    case DType::BFloat16: return RunBlockT<BFloat16>(plan, block);
+    default: return;
+  }
+}
+
+void DemoteRow(DType dtype, const float* in, void* out, int64_t n) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  auto* out16 = static_cast<uint16_t*>(out);
+  for (; i + N <= n; i += N) {
+    const VF v = hn::LoadU(df, in + i);
+    if (dtype == DType::Float16)
+      hn::StoreU(Float16::store_bits(df, v), DU16(), out16 + i);
+    else if (dtype == DType::BFloat16)
+      hn::StoreU(BFloat16::store_bits(df, v), DU16(), out16 + i);
+    else
+      hn::StoreU(v, df, static_cast<float*>(out) + i);
+  }
+  for (; i < n; ++i) {
+    if (dtype == DType::Float16)
+      out16[i] = float_to_half(in[i]);
+    else if (dtype == DType::BFloat16)
+      out16[i] = float_to_bf16(in[i]);
+    else
+      static_cast<float*>(out)[i] = in[i];
+  }
+}
+
+void PromoteRow(DType dtype, const void* in, float* out, int64_t n) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const auto* in16 = static_cast<const uint16_t*>(in);
+  int64_t i = 0;
+  for (; i + N <= n; i += N) {
+    if (dtype == DType::Float16)
+      hn::StoreU(Float16::load(df, in16 + i), df, out + i);
+    else if (dtype == DType::BFloat16)
+      hn::StoreU(BFloat16::load(df, in16 + i), df, out + i);
+    else
+      hn::StoreU(hn::LoadU(df, static_cast<const float*>(in) + i), df, out + i);
+  }
+  for (; i < n; ++i)
+    out[i] = dtype == DType::Float16    ? half_to_float(in16[i])
+             : dtype == DType::BFloat16 ? bf16_to_float(in16[i])
+                                        : static_cast<const float*>(in)[i];
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace ropepool::detail::cpu
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace ropepool::detail::cpu {
+
+HWY_EXPORT(RunBlock);
+HWY_EXPORT(SinCosTable);
+HWY_EXPORT(DemoteRow);
+HWY_EXPORT(PromoteRow);
+
+void run_block_hwy(const CallPlan& plan, const Block& block) {
+  HWY_DYNAMIC_DISPATCH(RunBlock)(plan, block);
+}
+
+void sincos_table(const double* inv_freq, int64_t n, int64_t pos, float scale, float* cos_out,
+                  float* sin_out) {
+  HWY_DYNAMIC_DISPATCH(SinCosTable)(inv_freq, n, pos, scale, cos_out, sin_out);
+}
+
+void demote_row_hwy(DType dtype, const float* in, void* out, int64_t n) {
+  HWY_DYNAMIC_DISPATCH(DemoteRow)(dtype, in, out, n);
+}
+
+void promote_row_hwy(DType dtype, const void* in, float* out, int64_t n) {
+  HWY_DYNAMIC_DISPATCH(PromoteRow)(dtype, in, out, n);
+}
+
+const char* hwy_target_name() {
+  // Dispatch picks the best (lowest-bit on x86) target that is both compiled and supported.
+  const int64_t usable = hwy::SupportedTargets() & HWY_TARGETS;
+  return hwy::TargetName(usable & -usable);
+}
+
+}  // namespace ropepool::detail::cpu
+#endif  // HWY_ONCE
