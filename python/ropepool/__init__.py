@@ -32,10 +32,24 @@ def get_num_threads() -> int:
     return _ropepool.get_num_threads()
 
 
+def cuda_check_slot_errors(device: int = -1) -> None:
+    """Raises RuntimeError for an out-of-range slot met by an earlier CUDA call.
+
+    Without ``check_slots``, a CUDA call never waits for the GPU: a token whose slot is
+    >= the pool size gets no pool write, and the error is reported by the next
+    ``rope_pool_fused`` call on that device or by this function, which first waits for all
+    work on ``device`` (an index; -1 = the current device). A no-op without the CUDA backend.
+    """
+    if hasattr(device, "index"):  # a torch.device
+        device = -1 if device.index is None else device.index
+    _ropepool.cuda_check_slot_errors(int(device))
+
+
 __all__ = [
     "rope_pool_fused",
     "set_num_threads",
     "get_num_threads",
+    "cuda_check_slot_errors",
     "cuda_backend",
     "__version__",
 ]

@@ -144,10 +144,14 @@ if torch is not None:
                       rope_base=rope_base, check_slots=check_slots)
         if q.device.type == "cuda":
             # The kernel runs on torch's current stream of q's device, like any torch op
-            # (and so inside CUDA-graph capture); DLPack export also needs that device current.
-            with torch.cuda.device(q.device):
-                stream = torch.cuda.current_stream(q.device).cuda_stream
+            # (and so inside CUDA-graph capture). torch exports a tensor through DLPack only
+            # while its device is current.
+            stream = torch.cuda.current_stream(q.device).cuda_stream
+            if q.device.index == torch.cuda.current_device():
                 _ropepool.rope_pool_fused_into(*args, **kwargs, stream=stream)
+            else:
+                with torch.cuda.device(q.device):
+                    _ropepool.rope_pool_fused_into(*args, **kwargs, stream=stream)
         else:
             _ropepool.rope_pool_fused_into(*args, **kwargs, stream=0)
         return q_rot, k_rot

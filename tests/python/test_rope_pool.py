@@ -1,6 +1,8 @@
 """rope_pool_fused against the float64 reference (SPEC §1) and its pool contract (§1, §3):
 every element within the SPEC bound, pool rows bit for bit, nothing else touched."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -133,7 +135,7 @@ def test_out_of_range_slot_writes_nothing(framework, check_slots, kernel_device,
     not q_rot/k_rot, not the pools; q/k/v stay as they were."""
     device = framework_device(framework, kernel_device)
     if device == "cuda" and not check_slots:
-        pytest.skip("on CUDA an out-of-range slot without check_slots is reported later (SPEC §3)")
+        pytest.skip("CUDA reports it later: test_cuda_out_of_range_slot_is_reported_later")
     T, P = 20, 32
     slots = rng.permutation(P)[:T]
     first_bad = int(rng.integers(0, T - 1))
@@ -255,3 +257,32 @@ def test_inference_mode_and_no_grad(rng):
     case = make_case("torch", "float32", rng, T=9, Hq=4, Hk=2, D=64, P=16).snapshot()
     with torch.no_grad():
         check_result(case, run(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_out_of_range_slot_is_reported_later(rng):
+    """SPEC §3 on CUDA without check_slots: the call does not wait for the GPU; the kernel
+    skips the bad token's pool rows (never writes out of bounds) and the error comes from
+    cuda_check_slot_errors (or the next call on the device) as RuntimeError."""
+    if not ropepool.cuda_backend:
+        pytest.skip("this ropepool build has no CUDA backend")
+    ropepool.cuda_check_slot_errors()  # nothing pending from earlier tests
+    T, P = 24, 40
+    slots = rng.permutation(P)[:T]
+    bad = int(rng.integers(0, T))
+    slots[bad] = P + 3
+    case = make_case("torch", "float16", rng, T=T, Hq=4, Hk=2, D=128, P=P, device="cuda",
+                     slots=slots).snapshot()
+    q_rot, k_rot, _, _ = run(case)
+    with pytest.raises(RuntimeError, match=re.escape(
+            f"had slots[{bad}] = {P + 3} out of range for a pool of {P} slots")):
+        ropepool.cuda_check_slot_errors(case.q.device)
+    ropepool.cuda_check_slot_errors()  # reporting cleared it
+    assert_within_bound(q_rot, case.q, case.positions, case.rope_base, "q_rot")
+    good = np.arange(T) != bad
+    written = Case(case.q, case.k[good], case.v[good], case.positions[good], case.slots[good],
+                   case.k_pool, case.v_pool, case.head_dim, case.num_qo_heads,
+                   case.num_kv_heads, case.rope_base)
+    written.before = dict(case.before, v=case.before["v"][good])
+    assert_pool_writes(written, k_rot[good])
