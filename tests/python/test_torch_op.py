@@ -17,12 +17,24 @@ def clone_case(case):
 
 
 def test_registered_as_custom_op():
-    op = torch.ops.ropepool.rope_pool_fused.default
-    schema = str(op._schema)
-    assert schema.startswith("ropepool::rope_pool_fused(Tensor q, Tensor k, Tensor v, "
-                             "Tensor positions, Tensor slots, Tensor(a5!) k_pool, "
-                             "Tensor(a6!) v_pool"), schema
-    assert schema.endswith("-> (Tensor, Tensor)"), schema
+    """The schema declares exactly k_pool and v_pool as written in place, and two fresh
+    outputs (a custom op cannot return its mutated inputs)."""
+    schema = torch.ops.ropepool.rope_pool_fused.default._schema
+    written = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
+    assert written == ["k_pool", "v_pool"], str(schema)
+    assert [a.name for a in schema.arguments] == [
+        "q", "k", "v", "positions", "slots", "k_pool", "v_pool", "head_dim", "num_qo_heads",
+        "num_kv_heads", "rope_base", "check_slots"]
+    assert len(schema.returns) == 2 and all(r.alias_info is None for r in schema.returns)
+
+
+def test_pool_versions_bumped(rng):
+    """Autograd learns that the pools changed in place (as for any torch in-place op)."""
+    case = make_case("torch", "float32", rng, T=3, Hq=4, Hk=2, D=64, P=8)
+    versions = (case.k_pool._version, case.v_pool._version, case.q._version)
+    ropepool.rope_pool_fused(*case.args(), **case.kwargs())
+    assert case.k_pool._version > versions[0] and case.v_pool._version > versions[1]
+    assert case.q._version == versions[2]
 
 
 def test_opcheck(kernel_device, rng):
