@@ -55,6 +55,10 @@ void promote_row_hwy(DType dtype, const void* in, float* out, int64_t n);
 enum class KernelVariant { highway, autovec };
 void set_kernel_variant(KernelVariant v);
 KernelVariant kernel_variant();
+/// Calls moving at least this many bytes use non-temporal stores (for measurements;
+/// negative = never).
+void set_stream_min_bytes(int64_t bytes);
+int64_t stream_min_bytes();
 /// The Highway target chosen on this CPU, e.g. "AVX3" (for reports).
 const char* hwy_target_name();
 
