@@ -1,17 +1,23 @@
-// The rope_pool_fused CUDA kernel: one launch rotates q and k, writes k_out/q_out and
+// The rope_pool_fused CUDA kernels: one launch rotates q and k, writes q_out/k_out and
 // writes rotated k and raw v into the pool rows named by `slots`.
 //
-// Work decomposition (docs/CUDA.md has the full story):
-//  - A CTA owns a tile of `tokens_per_cta` consecutive tokens and first builds their
-//    cos/sin table in shared memory: one (token, frequency) entry per thread, so each sin/cos
-//    is computed once per CTA and shared by every q and k head of the token.
-//  - The tile's work is a list of warp-sized items: one "kv item" per token (a single warp
-//    rotates all num_kv_heads k heads and copies all v heads, and alone writes the token's
-//    whole pool row, under a per-slot lock), then "q items" of 32 * kQUnits units of q.
+// Units and items (docs/CUDA.md has the full story):
 //  - A unit is one pair of kVec-element vectors (x[i..], x[i + R/2..]) of one head (NeoX),
 //    one vector of kVec/2 adjacent pairs (GPT-J "interleaved"; two scalars on the scalar
-//    path), or one vector past rotary_dim that is copied. Each warp issues the loads of its first item
-//    before the sin/cos work and the barrier, so memory latency overlaps the math.
+//    path), or one vector past rotary_dim that is copied.
+//  - Work is cut into warp-sized items: "kv rounds" (one warp rotates all num_kv_heads k
+//    heads of a token and copies all its v heads, 32 * (kKUnits, kVVecs) at a time, and alone
+//    writes the token's whole pool row) and "q chunks" of 32 * kQUnits q units.
+//  - sin/cos of (token, frequency) are computed once into shared memory and shared by every
+//    q and k head of the token.
+//
+// Two launch shapes:
+//  - rope_pool_tile_kernel (decode, small T: latency): a CTA owns a few tokens, its warps
+//    split their items; each warp issues its first item's loads before the sin/cos table is
+//    built, so memory latency overlaps the math.
+//  - rope_pool_stream_kernel (prefill, large T: bandwidth): a persistent grid; each warp
+//    owns whole tokens and walks their items software-pipelined (the next item's loads are
+//    in flight while the current one is rotated and stored).
 #pragma once
 
 #include <cstdint>
@@ -22,11 +28,20 @@ namespace ropepool::cuda {
 
 constexpr int kMaxHalfRotary = 256;  ///< inv_freq entries passed by value (rotary_dim <= 512)
 constexpr int kMaxWarpsPerCta = 8;
-constexpr int kQUnits = 4;        ///< q units per lane per item (8 vectors in flight)
-constexpr int kKUnits = 2;        ///< k units per lane per kv round
-constexpr int kVVecs = 4;         ///< v vectors per lane per kv round
-constexpr int kStage = 8;         ///< raw vectors a lane holds: 2*kQUnits == 2*kKUnits + kVVecs
+constexpr int kQUnits = 4;  ///< q units per lane per item (8 vectors in flight)
+constexpr int kKUnits = 2;  ///< k units per lane per kv round
+constexpr int kVVecs = 4;   ///< v vectors per lane per kv round
+constexpr int kStage = 8;   ///< raw vectors a lane holds: 2*kQUnits == 2*kKUnits + kVVecs
 constexpr int kSlotLocks = 1 << 16;
+constexpr int kMaxScanTokens = 256;  ///< duplicate scan in shared memory up to this many tokens
+
+/// How a kernel keeps two tokens with one slot from mixing their rows (SPEC §3).
+enum PoolWriteMode : int {
+  kPoolWriteDirect = 0,  ///< one token per call (or the tuning driver's lock-free variant)
+  kPoolWriteScan = 1,    ///< T <= kMaxScanTokens: a token skips its write if a later token
+                         ///< has its slot (last token wins, as on the CPU)
+  kPoolWriteLock = 2,    ///< per-slot spin lock around the whole row write
+};
 
 /// The first out-of-range slot seen by any call on a device since the host last looked.
 /// Lives in mapped pinned host memory so the host reads it without a device sync.
@@ -56,9 +71,10 @@ struct KernelParams {
   int64_t num_tokens;
   int64_t pool_size;
   int num_qo_heads, num_kv_heads, head_dim, rotary_dim;  // rotary_dim: even, <= head_dim
-  int tokens_per_cta, ctas_per_tile;
+  int tokens_per_cta, ctas_per_tile;  // tile kernel
+  int pool_write_mode;                // PoolWriteMode
   float attention_scaling;
-  bool positions_int64, slots_int64, lock_rows;
+  bool positions_int64, slots_int64;
   SlotErrorRecord* error_record;  ///< device view of this device's record
   double inv_freq[kFreqCap];      ///< R/2 entries; by value: no allocation, graph-safe
 };
@@ -108,7 +124,10 @@ __device__ __noinline__ void record_slot_error(SlotErrorRecord* rec, int64_t tok
 
 // A warp takes the lock of a pool row before its first pool store and drops it after its
 // last, so two tokens with one slot write whole rows one after the other. A warp holds at
-// most one lock and never waits on anything while holding it: no deadlock.
+// most one lock and never waits on another lock or a barrier while holding it: no deadlock.
+__device__ __forceinline__ unsigned int* slot_lock(int64_t slot) {
+  return &g_slot_locks[uint64_t(slot) & (kSlotLocks - 1)];
+}
 __device__ __forceinline__ void lock_row(unsigned int* lock, int lane) {
   if (lane == 0) {
     while (atomicCAS(lock, 0u, 1u) != 0u) __nanosleep(32);
@@ -116,14 +135,44 @@ __device__ __forceinline__ void lock_row(unsigned int* lock, int lane) {
   }
   __syncwarp();
 }
+/// lock_row in two halves: `try_lock_row` issues the CAS (lane 0) without waiting for it, so
+/// its round trip overlaps other work; `finish_lock_row` waits for it and retries if taken.
+/// Between the two the warp must not wait for any other lock.
+__device__ __forceinline__ unsigned int try_lock_row(unsigned int* lock, int lane) {
+  return lane == 0 ? atomicCAS(lock, 0u, 1u) : 0u;
+}
+__device__ __forceinline__ void finish_lock_row(unsigned int* lock, unsigned int first_try, int lane) {
+  if (lane == 0) {
+    if (first_try != 0u)
+      while (atomicCAS(lock, 0u, 1u) != 0u) __nanosleep(32);
+    __threadfence();
+  }
+  __syncwarp();
+}
+
+/// Programmatic dependent launch (sm_90): with the launch attribute set, this grid may
+/// start while the previous kernel on the stream finishes; it must wait for that kernel
+/// (and its memory) before touching global memory. Without the attribute both are no-ops.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 __device__ __forceinline__ void unlock_row(unsigned int* lock, int lane) {
   __threadfence();  // every lane's pool stores are visible before the lock is free
   __syncwarp();
   if (lane == 0) atomicExch(lock, 0u);
 }
 
+/// Geometry of a head and the unit operations, shared by both kernels. Compile-time
+/// geometry on the tuned paths (kHeadDim != 0).
 template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved>
-struct RopePoolCta {
+struct HeadOps {
   using IO = VecIO<E, kVec>;
   using Raw = typename IO::Raw;
   using Bits = typename E::Bits;
@@ -132,17 +181,11 @@ struct RopePoolCta {
   static constexpr bool kTwoAccesses = !kInterleaved || kVec == 1;
 
   const KernelParams<kFreqCap>& p;
-  const float* cos_tab;
-  const float* sin_tab;
-  int64_t t0;  // first token of the tile
-  int tile_tokens;
   int lane;
-  // Geometry, compile-time on the tuned paths.
   int head_dim, rotary_dim, half, pairs_per_head, units_per_head, vecs_per_head;
+  int q_units_per_token, k_units, v_vecs;
 
-  __device__ RopePoolCta(const KernelParams<kFreqCap>& params, const float* c, const float* s,
-                         int64_t first_token, int tokens)
-      : p(params), cos_tab(c), sin_tab(s), t0(first_token), tile_tokens(tokens) {
+  __device__ explicit HeadOps(const KernelParams<kFreqCap>& params) : p(params) {
     lane = threadIdx.x & 31;
     head_dim = kHeadDim ? kHeadDim : p.head_dim;
     rotary_dim = kHeadDim ? kHeadDim : p.rotary_dim;
@@ -152,6 +195,18 @@ struct RopePoolCta {
     pairs_per_head = !kInterleaved ? half / kVec : kVec == 1 ? half : rotary_dim / kVec;
     units_per_head = pairs_per_head + (head_dim - rotary_dim) / kVec;
     vecs_per_head = head_dim / kVec;
+    q_units_per_token = p.num_qo_heads * units_per_head;
+    k_units = p.num_kv_heads * units_per_head;
+    v_vecs = p.num_kv_heads * vecs_per_head;
+  }
+
+  __device__ __forceinline__ int q_chunks(int tokens) const {
+    return (tokens * q_units_per_token + 32 * kQUnits - 1) / (32 * kQUnits);
+  }
+  __device__ __forceinline__ int kv_rounds() const {
+    const int rk = (k_units + 32 * kKUnits - 1) / (32 * kKUnits);
+    const int rv = (v_vecs + 32 * kVVecs - 1) / (32 * kVVecs);
+    return rk > rv ? rk : rv;
   }
 
   // Element offsets inside a head of unit j: the pair (first, first + partner()), or one
@@ -168,113 +223,98 @@ struct RopePoolCta {
     if (kTwoAccesses && j < pairs_per_head) b = IO::load(head + first + partner());
   }
 
-  /// Rotates (a, b) in place with the tile table of token `tok`, or leaves a pass-through
-  /// vector alone.
-  __device__ __forceinline__ void rotate_unit(int tok, int j, Raw& a, Raw& b) const {
-    if (j >= pairs_per_head) return;
-    if constexpr (kInterleaved && kVec > 1) {
-      rotate_interleaved(tok, j, a);
-      return;
-    }
-    // Pair element i of (a, b) turns by frequency j * kVec + i (NeoX) or j (scalar GPT-J).
-    float fa[kVec], fb[kVec], c[kVec], s[kVec];
-    IO::to_float(a, fa);
-    IO::to_float(b, fb);
-    const float* ct = cos_tab + tok * half + j * kVec;
-    const float* st = sin_tab + tok * half + j * kVec;
-    if constexpr (kVec % 4 == 0 && !kInterleaved) {
-#pragma unroll
-      for (int i = 0; i < kVec; i += 4) {
-        const float4 c4 = *reinterpret_cast<const float4*>(ct + i);
-        const float4 s4 = *reinterpret_cast<const float4*>(st + i);
-        c[i] = c4.x, c[i + 1] = c4.y, c[i + 2] = c4.z, c[i + 3] = c4.w;
-        s[i] = s4.x, s[i + 1] = s4.y, s[i + 2] = s4.z, s[i + 3] = s4.w;
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) c[i] = ct[i], s[i] = st[i];
-    }
-    float oa[kVec], ob[kVec];
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      oa[i] = fa[i] * c[i] - fb[i] * s[i];
-      ob[i] = fa[i] * s[i] + fb[i] * c[i];
-    }
-    a = IO::from_float(oa);
-    b = IO::from_float(ob);
-  }
-
-  /// GPT-J pairs (x[2m], x[2m + 1]) inside one vector: frequencies j * kVec/2 + m.
-  __device__ __forceinline__ void rotate_interleaved(int tok, int j, Raw& a) const {
-    constexpr int kPairs = kVec / 2;
-    float f[kVec], o[kVec];
-    IO::to_float(a, f);
-    const float* ct = cos_tab + tok * half + j * kPairs;
-    const float* st = sin_tab + tok * half + j * kPairs;
-#pragma unroll
-    for (int m = 0; m < kPairs; ++m) {
-      const float c = ct[m], s = st[m];
-      o[2 * m] = f[2 * m] * c - f[2 * m + 1] * s;
-      o[2 * m + 1] = f[2 * m] * s + f[2 * m + 1] * c;
-    }
-    a = IO::from_float(o);
-  }
-
   __device__ __forceinline__ void store_unit(Bits* head, int j, Raw a, Raw b) const {
     const int first = unit_first(j);
     IO::store(head + first, a);
     if (kTwoAccesses && j < pairs_per_head) IO::store(head + first + partner(), b);
   }
 
-  // ---- q items: 32 * kQUnits consecutive units of the tile's q heads -------------------
+  /// Rotates (a, b) in place with one token's table row, or leaves a pass-through vector.
+  __device__ __forceinline__ void rotate_unit(const float* cos_row, const float* sin_row, int j,
+                                              Raw& a, Raw& b) const {
+    if (j >= pairs_per_head) return;
+    if constexpr (kInterleaved && kVec > 1) {
+      // GPT-J pairs (x[2m], x[2m + 1]) inside one vector: frequencies j * kVec/2 + m.
+      constexpr int kPairs = kVec / 2;
+      float f[kVec], o[kVec];
+      IO::to_float(a, f);
+#pragma unroll
+      for (int m = 0; m < kPairs; ++m) {
+        const float c = cos_row[j * kPairs + m], s = sin_row[j * kPairs + m];
+        o[2 * m] = f[2 * m] * c - f[2 * m + 1] * s;
+        o[2 * m + 1] = f[2 * m] * s + f[2 * m + 1] * c;
+      }
+      a = IO::from_float(o);
+    } else {
+      // Pair element i of (a, b) turns by frequency j * kVec + i (NeoX) or j (scalar GPT-J).
+      float fa[kVec], fb[kVec], c[kVec], s[kVec];
+      IO::to_float(a, fa);
+      IO::to_float(b, fb);
+      const float* ct = cos_row + j * kVec;
+      const float* st = sin_row + j * kVec;
+      if constexpr (kVec % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < kVec; i += 4) {
+          const float4 c4 = *reinterpret_cast<const float4*>(ct + i);
+          const float4 s4 = *reinterpret_cast<const float4*>(st + i);
+          c[i] = c4.x, c[i + 1] = c4.y, c[i + 2] = c4.z, c[i + 3] = c4.w;
+          s[i] = s4.x, s[i + 1] = s4.y, s[i + 2] = s4.z, s[i + 3] = s4.w;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) c[i] = ct[i], s[i] = st[i];
+      }
+      float oa[kVec], ob[kVec];
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        oa[i] = fa[i] * c[i] - fb[i] * s[i];
+        ob[i] = fa[i] * s[i] + fb[i] * c[i];
+      }
+      a = IO::from_float(oa);
+      b = IO::from_float(ob);
+    }
+  }
+
+  // ---- q chunks: 32 * kQUnits consecutive units of the q heads of `tokens` tokens --------
   struct QUnit {
     int tok, head, j;
   };
-  __device__ __forceinline__ bool q_unit(int item, int i, QUnit& u) const {
-    const int per_token = p.num_qo_heads * units_per_head;
-    const int flat = (item * kQUnits + i) * 32 + lane;
-    if (flat >= tile_tokens * per_token) return false;
-    u.tok = flat / per_token;
-    const int rem = flat - u.tok * per_token;
+  __device__ __forceinline__ bool q_unit(int tokens, int chunk, int i, QUnit& u) const {
+    const int flat = (chunk * kQUnits + i) * 32 + lane;
+    if (flat >= tokens * q_units_per_token) return false;
+    u.tok = tokens == 1 ? 0 : flat / q_units_per_token;
+    const int rem = flat - u.tok * q_units_per_token;
     u.head = rem / units_per_head;
     u.j = rem - u.head * units_per_head;
     return true;
   }
 
-  __device__ __forceinline__ void load_q(int item, Raw (&stage)[kStage]) const {
+  __device__ __forceinline__ void load_q(int64_t t0, int tokens, int chunk,
+                                         Raw (&stage)[kStage]) const {
 #pragma unroll
     for (int i = 0; i < kQUnits; ++i) {
       QUnit u;
-      if (!q_unit(item, i, u)) continue;
+      if (!q_unit(tokens, chunk, i, u)) continue;
       const Bits* src = static_cast<const Bits*>(p.q) + (t0 + u.tok) * p.q_row + u.head * p.q_head;
       load_unit(src, u.j, stage[2 * i], stage[2 * i + 1]);
     }
   }
 
-  __device__ __forceinline__ void finish_q(int item, Raw (&stage)[kStage]) const {
+  /// Table rows of token tok at cos_tab + tok * half.
+  __device__ __forceinline__ void finish_q(int64_t t0, int tokens, int chunk, const float* cos_tab,
+                                           const float* sin_tab, Raw (&stage)[kStage]) const {
 #pragma unroll
     for (int i = 0; i < kQUnits; ++i) {
       QUnit u;
-      if (!q_unit(item, i, u)) continue;
-      rotate_unit(u.tok, u.j, stage[2 * i], stage[2 * i + 1]);
+      if (!q_unit(tokens, chunk, i, u)) continue;
+      rotate_unit(cos_tab + u.tok * half, sin_tab + u.tok * half, u.j, stage[2 * i], stage[2 * i + 1]);
       Bits* dst = static_cast<Bits*>(p.q_out) + (t0 + u.tok) * p.qo_row + u.head * p.qo_head;
       store_unit(dst, u.j, stage[2 * i], stage[2 * i + 1]);
     }
   }
 
-  // ---- kv items: one token's k and v heads, in rounds of 32 * (kKUnits, kVVecs) ---------
-  __device__ __forceinline__ int kv_rounds() const {
-    const int k_units = p.num_kv_heads * units_per_head;
-    const int v_vecs = p.num_kv_heads * vecs_per_head;
-    const int rk = (k_units + 32 * kKUnits - 1) / (32 * kKUnits);
-    const int rv = (v_vecs + 32 * kVVecs - 1) / (32 * kVVecs);
-    return rk > rv ? rk : rv;
-  }
-
-  __device__ __forceinline__ void load_kv(int tok, int round, Raw (&stage)[kStage]) const {
-    const int64_t t = t0 + tok;
-    const int k_units = p.num_kv_heads * units_per_head;
-    const int v_vecs = p.num_kv_heads * vecs_per_head;
+  // ---- kv rounds: token t's k and v heads, 32 * (kKUnits, kVVecs) per round --------------
+  __device__ __forceinline__ void load_kv(int64_t t, int round, Raw (&stage)[kStage]) const {
 #pragma unroll
     for (int i = 0; i < kKUnits; ++i) {
       const int u = (round * kKUnits + i) * 32 + lane;
@@ -293,17 +333,15 @@ struct RopePoolCta {
     }
   }
 
-  __device__ __forceinline__ void finish_kv_round(int tok, int round, int64_t slot, bool to_pool,
-                                                  Raw (&stage)[kStage]) const {
-    const int64_t t = t0 + tok;
-    const int k_units = p.num_kv_heads * units_per_head;
-    const int v_vecs = p.num_kv_heads * vecs_per_head;
+  __device__ __forceinline__ void finish_kv(int64_t t, const float* cos_row, const float* sin_row,
+                                            int round, int64_t slot, bool to_pool,
+                                            Raw (&stage)[kStage]) const {
 #pragma unroll
     for (int i = 0; i < kKUnits; ++i) {
       const int u = (round * kKUnits + i) * 32 + lane;
       if (u >= k_units) continue;
       const int head = u / units_per_head, j = u - head * units_per_head;
-      rotate_unit(tok, j, stage[2 * i], stage[2 * i + 1]);
+      rotate_unit(cos_row, sin_row, j, stage[2 * i], stage[2 * i + 1]);
       store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + head * p.ko_head, j, stage[2 * i],
                  stage[2 * i + 1]);
       if (to_pool)
@@ -321,83 +359,204 @@ struct RopePoolCta {
     }
   }
 
-  __device__ __forceinline__ int64_t load_slot(int tok) const {
-    return load_index(p.slots, p.slots_stride, p.slots_int64, t0 + tok);
+  /// Whether token t writes its pool row at all (SPEC §1, §3): negative slots never do;
+  /// slots >= pool_size are skipped and recorded for the host.
+  __device__ __forceinline__ bool pool_row_valid(int64_t t, int64_t slot) const {
+    if (slot >= p.pool_size && lane == 0) record_slot_error(p.error_record, t, slot, p.pool_size);
+    return slot >= 0 && slot < p.pool_size;
   }
 
-  /// `stage` holds round 0 already when `prefetched`.
-  __device__ __forceinline__ void run_kv(int tok, int64_t slot, bool prefetched,
-                                         Raw (&stage)[kStage]) const {
-    // Negative: no pool write (SPEC §1). >= pool_size: skipped and reported (SPEC §3).
-    const bool to_pool = slot >= 0 && slot < p.pool_size;
-    if (slot >= p.pool_size && lane == 0)
-      record_slot_error(p.error_record, t0 + tok, slot, p.pool_size);
-    unsigned int* lock = nullptr;
-    const int rounds = kv_rounds();
-    for (int r = 0; r < rounds; ++r) {
-      if (!(prefetched && r == 0)) load_kv(tok, r, stage);
-      // Taken after the loads are in flight, so the atomic overlaps their latency.
-      if (to_pool && p.lock_rows && lock == nullptr) {
-        lock = &g_slot_locks[uint64_t(slot) & (kSlotLocks - 1)];
-        lock_row(lock, lane);
-      }
-      finish_kv_round(tok, r, slot, to_pool, stage);
-    }
-    if (lock != nullptr) unlock_row(lock, lane);
+  /// sin/cos of one token into a table row (entries lane, lane + stride, ...).
+  __device__ __forceinline__ void build_row(int64_t pos, float* cos_row, float* sin_row, int first,
+                                            int stride) const {
+    for (int i = first; i < half; i += stride)
+      angle_sincos(pos, p.inv_freq[i], p.attention_scaling, &cos_row[i], &sin_row[i]);
   }
 };
 
-template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved>
-__global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
-    rope_pool_kernel(const __grid_constant__ KernelParams<kFreqCap> p) {
-  extern __shared__ float4 shared_table[];  // float4: 16-byte aligned rows
-  using Cta = RopePoolCta<E, kVec, kHeadDim, kFreqCap, kInterleaved>;
-  using Raw = typename Cta::Raw;
+// ---- decode: tile kernel ------------------------------------------------------------------
+
+// kMinCtas 4: at most 64 registers (32 resident warps per SM) [tuning experiment].
+template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kMinCtas = 1>
+__global__ void __launch_bounds__(kMaxWarpsPerCta * 32, kMinCtas)
+    rope_pool_tile_kernel(const __grid_constant__ KernelParams<kFreqCap> p) {
+  using Ops = HeadOps<E, kVec, kHeadDim, kFreqCap, kInterleaved>;
+  using Raw = typename Ops::Raw;
+  extern __shared__ float4 shared[];  // float4: 16-byte aligned table rows
+  const Ops ops(p);
 
   const int64_t tile = blockIdx.x / p.ctas_per_tile;
   const int part = blockIdx.x - int(tile * p.ctas_per_tile);
   const int64_t t0 = tile * p.tokens_per_cta;
   const int64_t left = p.num_tokens - t0;
-  const int tile_tokens = left < p.tokens_per_cta ? int(left) : p.tokens_per_cta;
-  const int half = kHeadDim ? kHeadDim / 2 : p.rotary_dim / 2;
-  float* cos_tab = reinterpret_cast<float*>(shared_table);
+  const int tokens = left < p.tokens_per_cta ? int(left) : p.tokens_per_cta;
+  const int half = ops.half;
+  float* cos_tab = reinterpret_cast<float*>(shared);
   float* sin_tab = cos_tab + p.tokens_per_cta * half;
-  const Cta cta(p, cos_tab, sin_tab, t0, tile_tokens);
+  // kPoolWriteScan: every slot of the call (T <= kMaxScanTokens), after the table.
+  // (The table is 2 * tokens_per_cta * half floats: the slots start 8-byte aligned.)
+  long long* scan_slots = reinterpret_cast<long long*>(sin_tab + p.tokens_per_cta * half);
+  const bool scan = p.pool_write_mode == kPoolWriteScan;
 
-  // Items of this tile: tile_tokens kv items, then the q items.
+  // Items of this tile: one kv item per token (all its rounds), then the q chunks.
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
-  const int q_units = tile_tokens * p.num_qo_heads * cta.units_per_head;
-  const int items = tile_tokens + (q_units + 32 * kQUnits - 1) / (32 * kQUnits);
+  const int items = tokens + ops.q_chunks(tokens);
   const int item_step = warps * p.ctas_per_tile;
   int item = part * warps + warp;
 
+  wait_for_previous_grid();
   // Issue the first item's loads (and its slot) before the table is built.
   Raw stage[kStage];
   int64_t slot = -1;
-  if (item < tile_tokens) {
-    slot = cta.load_slot(item);
-    cta.load_kv(item, 0, stage);
+  if (item < tokens) {
+    slot = load_index(p.slots, p.slots_stride, p.slots_int64, t0 + item);
+    ops.load_kv(t0 + item, 0, stage);
   } else if (item < items) {
-    cta.load_q(item - tile_tokens, stage);
+    ops.load_q(t0, tokens, item - tokens, stage);
   }
 
-  const float scale = p.attention_scaling;
-  for (int e = threadIdx.x; e < tile_tokens * half; e += blockDim.x) {
+  for (int e = threadIdx.x; e < tokens * half; e += blockDim.x) {
     const int tok = e / half, i = e - tok * half;
     const int64_t pos = load_index(p.positions, p.positions_stride, p.positions_int64, t0 + tok);
-    angle_sincos(pos, p.inv_freq[i], scale, &cos_tab[e], &sin_tab[e]);
+    angle_sincos(pos, p.inv_freq[i], p.attention_scaling, &cos_tab[e], &sin_tab[e]);
+  }
+  if (scan)
+    for (int u = threadIdx.x; u < p.num_tokens; u += blockDim.x)
+      scan_slots[u] = load_index(p.slots, p.slots_stride, p.slots_int64, u);
+  // Lock mode: the first item's CAS goes out before the barrier and is waited for after it
+  // (issued here, not earlier: it needs the slot, and waiting for it must not hold back the
+  // position loads above). No warp waits for a lock before the barrier, so a lock held
+  // across it is always released.
+  const bool lock_mode = p.pool_write_mode == kPoolWriteLock;
+  unsigned int* first_lock = nullptr;
+  unsigned int first_try = 0;
+  if (lock_mode && item < tokens && slot >= 0 && slot < p.pool_size) {
+    first_lock = slot_lock(slot);
+    first_try = try_lock_row(first_lock, ops.lane);
   }
   __syncthreads();
+  allow_next_grid();
 
   bool prefetched = true;
   for (; item < items; item += item_step, prefetched = false) {
-    if (item < tile_tokens) {
-      if (!prefetched) slot = cta.load_slot(item);
-      cta.run_kv(item, slot, prefetched, stage);
+    if (item < tokens) {
+      const int64_t t = t0 + item;
+      if (!prefetched) slot = load_index(p.slots, p.slots_stride, p.slots_int64, t);
+      bool to_pool = ops.pool_row_valid(t, slot);
+      if (scan && to_pool) {
+        // Last token wins: skip the write when a later token of the call has this slot.
+        bool later = false;
+        for (int64_t u = t + 1 + ops.lane; u < p.num_tokens; u += 32) later |= scan_slots[u] == slot;
+        to_pool = !__any_sync(0xffffffffu, later);
+      }
+      unsigned int* lock = nullptr;
+      if (prefetched && first_lock != nullptr) {
+        lock = first_lock;
+        finish_lock_row(lock, first_try, ops.lane);
+      }
+      const int rounds = ops.kv_rounds();
+      for (int r = 0; r < rounds; ++r) {
+        if (!(prefetched && r == 0)) ops.load_kv(t, r, stage);
+        if (to_pool && lock_mode && lock == nullptr) {
+          lock = slot_lock(slot);
+          lock_row(lock, ops.lane);  // after the loads are in flight
+        }
+        ops.finish_kv(t, cos_tab + item * half, sin_tab + item * half, r, slot, to_pool, stage);
+      }
+      if (lock != nullptr) unlock_row(lock, ops.lane);
     } else {
-      if (!prefetched) cta.load_q(item - tile_tokens, stage);
-      cta.finish_q(item - tile_tokens, stage);
+      if (!prefetched) ops.load_q(t0, tokens, item - tokens, stage);
+      ops.finish_q(t0, tokens, item - tokens, cos_tab, sin_tab, stage);
     }
+  }
+}
+
+// ---- prefill: persistent, software-pipelined stream kernel ----------------------------------
+
+constexpr int kStreamWarps = 4;
+
+template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved>
+__global__ void __launch_bounds__(kStreamWarps * 32)
+    rope_pool_stream_kernel(const __grid_constant__ KernelParams<kFreqCap> p) {
+  using Ops = HeadOps<E, kVec, kHeadDim, kFreqCap, kInterleaved>;
+  using Raw = typename Ops::Raw;
+  extern __shared__ float4 shared[];
+  const Ops ops(p);
+  const int warp = threadIdx.x >> 5, lane = ops.lane, half = ops.half;
+  // One table row per warp: the token it is working on.
+  float* cos_row = reinterpret_cast<float*>(shared) + warp * 2 * half;
+  float* sin_row = cos_row + half;
+
+  // This warp's tokens: first, first + stride, ...; per token `rounds` kv items then the q
+  // chunks.
+  const int64_t stride = int64_t(gridDim.x) * kStreamWarps;
+  int64_t t = int64_t(blockIdx.x) * kStreamWarps + warp;
+  if (t >= p.num_tokens) return;
+  wait_for_previous_grid();
+  const int rounds = ops.kv_rounds();
+  const int items = rounds + ops.q_chunks(1);
+  const bool lock_rows = p.pool_write_mode == kPoolWriteLock;
+
+  auto load_item = [&](int64_t token, int item, Raw(&stage)[kStage]) {
+    if (item < rounds) ops.load_kv(token, item, stage);
+    else ops.load_q(token, 1, item - rounds, stage);
+  };
+
+  Raw cur[kStage], next[kStage];
+  int item = 0;
+  int64_t slot = load_index(p.slots, p.slots_stride, p.slots_int64, t);
+  load_item(t, 0, cur);
+  ops.build_row(load_index(p.positions, p.positions_stride, p.positions_int64, t), cos_row, sin_row,
+                lane, 32);
+  __syncwarp();
+  bool to_pool = false;
+  unsigned int* lock = nullptr;
+
+  for (;;) {
+    // Issue the next item's loads (and, for a new token, its position and slot) first.
+    int64_t t_next = t;
+    int item_next = item + 1;
+    if (item_next == items) t_next += stride, item_next = 0;
+    const bool has_next = t_next < p.num_tokens;
+    int64_t pos_next = 0, slot_next = -1;
+    if (has_next) {
+      load_item(t_next, item_next, next);
+      if (item_next == 0) {
+        pos_next = load_index(p.positions, p.positions_stride, p.positions_int64, t_next);
+        slot_next = load_index(p.slots, p.slots_stride, p.slots_int64, t_next);
+      }
+    }
+
+    // Then finish the current one, its data arrived while the previous item was stored.
+    if (item < rounds) {
+      if (item == 0) {
+        to_pool = ops.pool_row_valid(t, slot);
+        if (to_pool && lock_rows) {
+          lock = slot_lock(slot);
+          lock_row(lock, lane);
+        }
+      }
+      ops.finish_kv(t, cos_row, sin_row, item, slot, to_pool, cur);
+      if (item == rounds - 1 && lock != nullptr) {
+        // The fence waits for this row's stores, while the next item's loads are in flight.
+        unlock_row(lock, lane);
+        lock = nullptr;
+      }
+    } else {
+      ops.finish_q(t, 1, item - rounds, cos_row, sin_row, cur);
+    }
+    if (!has_next) break;
+
+    if (item_next == 0) {
+      __syncwarp();  // every lane is done reading the old token's row
+      ops.build_row(pos_next, cos_row, sin_row, lane, 32);
+      __syncwarp();
+      slot = slot_next;
+    }
+#pragma unroll
+    for (int i = 0; i < kStage; ++i) cur[i] = next[i];
+    t = t_next;
+    item = item_next;
   }
 }
 

@@ -1,0 +1,945 @@
+// GPU self-test and tuning driver of the CUDA backend (not part of the library).
+//
+//   rope_pool_cuda_selftest [--test] [--bench] [--sweep] [--quick] [--json FILE]
+//
+// --sanitize  --test --quick on a smaller grid, for compute-sanitizer.
+// --test   every path (tuned head sizes, generic 16-byte, scalar; NeoX and GPT-J; partial
+//          rotary; strided fused-QKV views; misaligned views) against the float64
+//          reference, every pool row checked bit for bit, untouched rows unchanged, SPEC §3
+//          (out-of-range slots with and without check_slots, duplicates), a pool over 4 GiB,
+//          CUDA-graph capture and replay. Small enough for compute-sanitizer (--quick).
+// --bench  the default workload (Llama-3-8B: bf16, Hq 32, Hk 8, D 128) at T = 1..65536,
+//          plain-stream and graph-replay timings, the device-to-device copy as the ceiling.
+// --sweep  the same workload over launch shapes (warps, tokens per CTA, CTAs per tile) and
+//          with the per-slot lock on and off, to tune the heuristic in rope_pool_cuda.cu.
+// Exit status 0 only when every check passed.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "launch.hpp"
+#include "ropepool/cuda.hpp"
+#include "ropepool/error.hpp"
+#include "ropepool/half.hpp"
+#include "ropepool/reference.hpp"
+#include "ropepool/rope_pool.hpp"
+#include "ropepool/schedule.hpp"
+
+using namespace ropepool;
+
+namespace {
+
+int g_failures = 0;
+int g_checks = 0;
+std::string g_json;
+
+#define CUDA_OK(call)                                                                  \
+  do {                                                                                 \
+    cudaError_t e_ = (call);                                                           \
+    if (e_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, \
+                   __LINE__, cudaGetErrorString(e_));                                  \
+      std::exit(2);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+void expect(bool ok, const std::string& what) {
+  ++g_checks;
+  if (!ok) {
+    ++g_failures;
+    std::printf("FAIL: %s\n", what.c_str());
+  }
+}
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n) : bytes(n) { CUDA_OK(cudaMalloc(&ptr, std::max<size_t>(n, 16))); }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  char* bytes_at(size_t off) const { return static_cast<char*>(ptr) + off; }
+};
+
+uint32_t to_bits(float f, DType dt) {
+  switch (dt) {
+    case DType::Float32: return float_bits(f);
+    case DType::Float16: return float_to_half(f);
+    default: return float_to_bf16(f);
+  }
+}
+
+// ---- one test case ----------------------------------------------------------------------
+
+enum class Layout { Contiguous, FusedQkv, Misaligned };
+
+struct Case {
+  DType dtype = DType::BFloat16;
+  int64_t T = 37, Hq = 4, Hk = 2, D = 128, R = 0;
+  bool interleaved = false;
+  Layout layout = Layout::Contiguous;
+  bool index64 = false;
+  int64_t pool = 0;  // 0: 2T + 5
+  double rope_base = 10000;
+  int64_t max_position = int64_t(1) << 20;
+  std::string name() const {
+    char b[200];
+    std::snprintf(b, sizeof b, "%s T=%lld Hq=%lld Hk=%lld D=%lld R=%lld%s%s%s",
+                  dtype_name(dtype), (long long)T, (long long)Hq, (long long)Hk, (long long)D,
+                  (long long)(R ? R : D), interleaved ? " interleaved" : "",
+                  layout == Layout::FusedQkv ? " fused-qkv" : layout == Layout::Misaligned ? " misaligned" : "",
+                  index64 ? " int64" : "");
+    return b;
+  }
+};
+
+/// Host + device copies of one call's tensors, with views of both.
+struct Problem {
+  Case c;
+  size_t es;
+  int64_t P;
+  std::vector<uint8_t> h_qkv, h_pool_k, h_pool_v, h_pos, h_slots;
+  std::unique_ptr<DeviceBuffer> d_qkv, d_q_out, d_k_out, d_pool_k, d_pool_v, d_pos, d_slots;
+  RopePoolTensors host, dev;  // host views: q/k/v/positions/slots only
+  RopePoolParams params;
+
+  explicit Problem(const Case& cs, std::mt19937_64& rng, const std::vector<int64_t>* slots_in = nullptr)
+      : c(cs), es(dtype_size(cs.dtype)) {
+    const int64_t T = c.T, Hq = c.Hq, Hk = c.Hk, D = c.D;
+    P = c.pool ? c.pool : 2 * T + 5;
+    params.head_dim = D;
+    params.num_qo_heads = Hq;
+    params.num_kv_heads = Hk;
+    params.rope_base = c.rope_base;
+    params.rotary_dim = c.R;
+    params.interleaved = c.interleaved;
+
+    // q, k, v: one buffer. Fused: rows of [Hq + 2 Hk, D]; else three blocks. Misaligned:
+    // everything one element off a 16-byte boundary.
+    const int64_t off = c.layout == Layout::Misaligned ? 1 : 0;
+    const int64_t row = (Hq + 2 * Hk) * D;
+    const int64_t n = T * row + 3 * off + 8;
+    h_qkv.resize(size_t(n) * es);
+    std::uniform_real_distribution<float> u(-2.f, 2.f);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t b = to_bits(u(rng), c.dtype);
+      std::memcpy(&h_qkv[size_t(i) * es], &b, es);
+    }
+    auto view = [&](void* base, int64_t elem_off, int64_t H, int64_t rs, Device d) {
+      TensorView t = TensorView::contiguous(static_cast<char*>(base) + elem_off * int64_t(es), c.dtype, {T, H, D}, d);
+      t.strides[0] = rs;
+      return t;
+    };
+    d_qkv = std::make_unique<DeviceBuffer>(h_qkv.size());
+    CUDA_OK(cudaMemcpy(d_qkv->ptr, h_qkv.data(), h_qkv.size(), cudaMemcpyHostToDevice));
+    const Device cpu{}, gpu{DeviceType::CUDA, 0};
+    for (auto [side, base, dev] : {std::tuple{&host, (void*)h_qkv.data(), cpu}, {&dev, d_qkv->ptr, gpu}}) {
+      if (c.layout == Layout::FusedQkv) {
+        side->q = view(base, 0, Hq, row, dev);
+        side->k = view(base, Hq * D, Hk, row, dev);
+        side->v = view(base, (Hq + Hk) * D, Hk, row, dev);
+      } else {
+        side->q = view(base, off, Hq, Hq * D, dev);
+        side->k = view(base, off + T * Hq * D, Hk, Hk * D, dev);
+        side->v = view(base, off + T * (Hq + Hk) * D, Hk, Hk * D, dev);
+      }
+    }
+
+    // Positions: random below max_position, a few right at the top of the range.
+    const DType idt = c.index64 ? DType::Int64 : DType::Int32;
+    const size_t is = dtype_size(idt);
+    std::vector<int64_t> pos(T), slots(T);
+    std::uniform_int_distribution<int64_t> upos(0, c.max_position - 1);
+    for (int64_t t = 0; t < T; ++t) pos[t] = t % 7 == 0 ? c.max_position - 1 - t : upos(rng);
+    if (slots_in) {
+      slots = *slots_in;
+    } else {
+      // Distinct random rows, about one token in eight with no pool write.
+      std::vector<int64_t> rows(P);
+      for (int64_t i = 0; i < P; ++i) rows[i] = i;
+      std::shuffle(rows.begin(), rows.end(), rng);
+      for (int64_t t = 0; t < T; ++t) slots[t] = rng() % 8 == 0 ? -1 - int64_t(rng() % 3) : rows[t];
+    }
+    h_pos.resize(T * is);
+    h_slots.resize(T * is);
+    for (int64_t t = 0; t < T; ++t) {
+      if (c.index64) {
+        std::memcpy(&h_pos[t * is], &pos[t], 8);
+        std::memcpy(&h_slots[t * is], &slots[t], 8);
+      } else {
+        const int32_t p32 = int32_t(pos[t]), s32 = int32_t(slots[t]);
+        std::memcpy(&h_pos[t * is], &p32, 4);
+        std::memcpy(&h_slots[t * is], &s32, 4);
+      }
+    }
+    d_pos = std::make_unique<DeviceBuffer>(h_pos.size());
+    d_slots = std::make_unique<DeviceBuffer>(h_slots.size());
+    CUDA_OK(cudaMemcpy(d_pos->ptr, h_pos.data(), h_pos.size(), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_slots->ptr, h_slots.data(), h_slots.size(), cudaMemcpyHostToDevice));
+    host.positions = TensorView::contiguous(h_pos.data(), idt, {T});
+    host.slots = TensorView::contiguous(h_slots.data(), idt, {T});
+    dev.positions = TensorView::contiguous(d_pos->ptr, idt, {T}, gpu);
+    dev.slots = TensorView::contiguous(d_slots->ptr, idt, {T}, gpu);
+
+    // Pools: random bits (poison) that must survive wherever no token writes.
+    const size_t pool_bytes = size_t(P * Hk * D) * es + size_t(off) * es;
+    h_pool_k.resize(pool_bytes);
+    h_pool_v.resize(pool_bytes);
+    for (auto* h : {&h_pool_k, &h_pool_v})
+      for (size_t i = 0; i < h->size(); ++i) (*h)[i] = uint8_t(rng());
+    d_pool_k = std::make_unique<DeviceBuffer>(pool_bytes);
+    d_pool_v = std::make_unique<DeviceBuffer>(pool_bytes);
+    CUDA_OK(cudaMemcpy(d_pool_k->ptr, h_pool_k.data(), pool_bytes, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_pool_v->ptr, h_pool_v.data(), pool_bytes, cudaMemcpyHostToDevice));
+    dev.k_pool = TensorView::contiguous(d_pool_k->bytes_at(off * es), c.dtype, {P, Hk, D}, gpu);
+    dev.v_pool = TensorView::contiguous(d_pool_v->bytes_at(off * es), c.dtype, {P, Hk, D}, gpu);
+
+    // Outputs: all-ones bits (NaN in every dtype) so an unwritten element shows.
+    const size_t qo = size_t(T * Hq * D + off) * es, ko = size_t(T * Hk * D + off) * es;
+    d_q_out = std::make_unique<DeviceBuffer>(qo);
+    d_k_out = std::make_unique<DeviceBuffer>(ko);
+    CUDA_OK(cudaMemset(d_q_out->ptr, 0xff, qo));
+    CUDA_OK(cudaMemset(d_k_out->ptr, 0xff, ko));
+    dev.q_out = TensorView::contiguous(d_q_out->bytes_at(off * es), c.dtype, {T, Hq, D}, gpu);
+    dev.k_out = TensorView::contiguous(d_k_out->bytes_at(off * es), c.dtype, {T, Hk, D}, gpu);
+  }
+
+  int64_t slot(int64_t t) const { return reference::load_index(host.slots, t); }
+
+  std::vector<uint8_t> fetch(const DeviceBuffer& b) const {
+    std::vector<uint8_t> h(b.bytes);
+    CUDA_OK(cudaMemcpy(h.data(), b.ptr, b.bytes, cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+double value_of(const uint8_t* p, DType dt) {
+  uint32_t b = 0;
+  std::memcpy(&b, p, dtype_size(dt));
+  switch (dt) {
+    case DType::Float32: return bits_float(b);
+    case DType::Float16: return half_to_float(uint16_t(b));
+    default: return bf16_to_float(uint16_t(b));
+  }
+}
+
+/// Checks q_out/k_out against the float64 reference (SPEC §1 bound), and every pool row:
+/// written rows bit-equal to k_out / v of their token, the others unchanged.
+/// `skip_slot_at_or_above`: rows the kernel must not write (out-of-range slots).
+bool check_outputs(Problem& pr, const std::string& what, bool expect_written = true) {
+  const Case& c = pr.c;
+  const int64_t T = c.T, Hq = c.Hq, Hk = c.Hk, D = c.D;
+  const size_t es = pr.es;
+  const int64_t off = c.layout == Layout::Misaligned ? 1 : 0;
+  const RopeSchedule schedule = make_rope_schedule(pr.params);
+  const int64_t R = schedule.rotary_dim, half = R / 2;
+  const auto q_out = pr.fetch(*pr.d_q_out), k_out = pr.fetch(*pr.d_k_out);
+  const auto pool_k = pr.fetch(*pr.d_pool_k), pool_v = pr.fetch(*pr.d_pool_v);
+  int bad = 0;
+  std::string first;
+  auto note = [&](const std::string& m) {
+    if (bad++ == 0) first = m;
+  };
+  if (expect_written) {
+    for (auto [x, out, H, name] : {std::tuple{&pr.host.q, &q_out, Hq, "q"}, {&pr.host.k, &k_out, Hk, "k"}}) {
+      const std::vector<double> exact = reference::rotate(*x, pr.host.positions, schedule, c.interleaved);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t d = 0; d < D; ++d) {
+            const double e = exact[size_t((t * H + h) * D + d)];
+            const double got = value_of(&(*out)[size_t((t * H + h) * D + d + off) * es], c.dtype);
+            double tol = 0;
+            if (d < R) {
+              const int64_t partner = c.interleaved ? (d ^ 1) : (d < half ? d + half : d - half);
+              tol = reference::tolerance(c.dtype, e,
+                                         std::fabs(reference::load(*x, t, h, d)) +
+                                             std::fabs(reference::load(*x, t, h, partner)));
+            }
+            if (!(std::fabs(got - e) <= tol)) {
+              char m[256];
+              std::snprintf(m, sizeof m, "%s[%lld,%lld,%lld] pos %lld: got %.9g exact %.9g tol %.3g", name,
+                            (long long)t, (long long)h, (long long)d,
+                            (long long)reference::load_index(pr.host.positions, t), got, e, tol);
+              note(m);
+            }
+          }
+    }
+  } else {
+    // Nothing written: outputs still all-ones.
+    for (auto* o : {&q_out, &k_out})
+      for (uint8_t b : *o)
+        if (b != 0xff) {
+          note("an output element was written");
+          break;
+        }
+  }
+  // Pool rows: which token (if any) owns each row; duplicates: any of them, whole row.
+  const size_t row_bytes = size_t(Hk * D) * es;
+  std::vector<std::vector<int64_t>> writers(pr.P);
+  if (expect_written)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t s = pr.slot(t);
+      if (s >= 0 && s < pr.P) writers[s].push_back(t);
+    }
+  auto v_row_of = [&](int64_t t, std::vector<uint8_t>& row) {
+    row.resize(row_bytes);
+    for (int64_t h = 0; h < Hk; ++h)
+      for (int64_t d = 0; d < D; ++d) {
+        const TensorView& v = pr.host.v;
+        const uint8_t* p = static_cast<const uint8_t*>(v.data) + (t * v.strides[0] + h * v.strides[1] + d) * int64_t(es);
+        std::memcpy(&row[size_t(h * D + d) * es], p, es);
+      }
+  };
+  std::vector<uint8_t> vrow;
+  for (int64_t s = 0; s < pr.P; ++s) {
+    const size_t at = size_t(off) * es + size_t(s) * row_bytes;
+    const uint8_t* kp = &pool_k[at];
+    const uint8_t* vp = &pool_v[at];
+    if (writers[s].empty()) {
+      if (std::memcmp(kp, &pr.h_pool_k[at], row_bytes) || std::memcmp(vp, &pr.h_pool_v[at], row_bytes))
+        note("pool row " + std::to_string(s) + " changed but no token writes it");
+      continue;
+    }
+    bool matched = false;
+    for (int64_t t : writers[s]) {
+      v_row_of(t, vrow);
+      const uint8_t* ko = &k_out[size_t(off) * es + size_t(t) * row_bytes];
+      if (!std::memcmp(kp, ko, row_bytes) && !std::memcmp(vp, vrow.data(), row_bytes)) matched = true;
+    }
+    if (!matched)
+      note("pool row " + std::to_string(s) + " is not one token's complete k_rot/v row (" +
+           std::to_string(writers[s].size()) + " writers)");
+  }
+  expect(bad == 0, what + ": " + std::to_string(bad) + " bad; first: " + first);
+  return bad == 0;
+}
+
+using detail::cuda_launch::Kernel;
+using detail::cuda_launch::LaunchConfig;
+
+/// The backend problem the public API would build (src/rope_pool.cpp), so a test can force
+/// a kernel. `schedule` keeps inv_freq alive.
+detail::RopePoolProblem backend_problem(const RopePoolTensors& t, const RopePoolParams& params,
+                                        RopeSchedule& schedule) {
+  validate_rope_pool(t, params);
+  schedule = make_rope_schedule(params);
+  auto rows = [](const TensorView& v) { return detail::Rows{v.data, v.strides[0], v.strides[1]}; };
+  auto index = [](const TensorView& v) { return detail::Index{v.data, v.strides[0], v.dtype == DType::Int64}; };
+  detail::RopePoolProblem p;
+  p.dtype = t.q.dtype, p.num_tokens = t.q.shape[0], p.num_qo_heads = params.num_qo_heads;
+  p.num_kv_heads = params.num_kv_heads, p.head_dim = params.head_dim;
+  p.rotary_dim = schedule.rotary_dim, p.interleaved = params.interleaved;
+  p.pool_size = t.k_pool.shape[0];
+  p.q = rows(t.q), p.k = rows(t.k), p.v = rows(t.v), p.q_out = rows(t.q_out), p.k_out = rows(t.k_out);
+  p.k_pool = rows(t.k_pool), p.v_pool = rows(t.v_pool);
+  p.positions = index(t.positions), p.slots = index(t.slots);
+  p.inv_freq = schedule.inv_freq.data(), p.attention_scaling = schedule.attention_scaling;
+  return p;
+}
+
+const char* kernel_name(Kernel k) {
+  return k == Kernel::Tile ? "tile" : k == Kernel::Stream ? "stream" : "auto";
+}
+
+/// Runs the op through the public API (Kernel::Auto) or with a forced kernel.
+void call(Problem& pr, Kernel kernel, const CallOptions& o = {}) {
+  if (kernel == Kernel::Auto) {
+    rope_pool_fused(pr.dev, pr.params, o);
+    return;
+  }
+  RopeSchedule schedule;
+  detail::RopePoolProblem p = backend_problem(pr.dev, pr.params, schedule);
+  p.check_slots = o.check_slots, p.stream = o.stream;
+  LaunchConfig cfg;
+  cfg.kernel = kernel;
+  detail::cuda_launch::rope_pool_cuda_with(p, cfg);
+}
+
+void run_case(const Case& c, Kernel kernel, std::mt19937_64& rng) {
+  Problem pr(c, rng);
+  const std::string what = c.name() + " [" + kernel_name(kernel) + "]";
+  try {
+    call(pr, kernel);
+    CUDA_OK(cudaDeviceSynchronize());
+  } catch (const std::exception& e) {
+    expect(false, what + ": threw " + e.what());
+    return;
+  }
+  check_outputs(pr, what);
+}
+
+template <class Ex>
+std::string catch_message(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    if constexpr (std::is_same_v<Ex, std::exception>) {
+      return e.what();
+    } else {
+      if (dynamic_cast<const Ex*>(&e) != nullptr) return e.what();
+      return std::string("WRONG EXCEPTION TYPE: ") + e.what();
+    }
+  }
+  return "";
+}
+
+// ---- the test suite -------------------------------------------------------------------------
+
+bool g_sanitize = false;  // compute-sanitizer run: a small grid, no stress repeats
+
+void test_grid(bool quick, std::mt19937_64& rng) {
+  std::vector<Case> cases;
+  for (DType dt : {DType::Float32, DType::Float16, DType::BFloat16}) {
+    // Tuned head sizes, generic 16-byte, scalar, partial rotary, GPT-J pairs.
+    struct G {
+      int64_t D, R;
+      bool il;
+    };
+    for (G g : {G{64, 0, false}, G{96, 0, false}, G{128, 0, false}, G{256, 0, false}, G{80, 0, false},
+                G{72, 0, false}, G{34, 0, false}, G{128, 64, false}, G{512, 0, false}, G{128, 0, true},
+                G{64, 32, true}, G{34, 0, true}}) {
+      for (auto [Hq, Hk] : {std::pair<int64_t, int64_t>{4, 2}, {5, 3}, {32, 8}}) {
+        for (int64_t T : {int64_t(1), int64_t(37), int64_t(300)}) {
+          if (quick && (T == 300 || Hq == 32) && !(g.D == 128 && g.R == 0 && !g.il)) continue;
+          if (g_sanitize && (T == 300 || Hq != 4 || (dt != DType::BFloat16 && g.D != 128))) continue;
+          if (g.D >= 256 && T == 300 && Hq == 32) continue;
+          Case c;
+          c.dtype = dt, c.D = g.D, c.R = g.R, c.interleaved = g.il, c.Hq = Hq, c.Hk = Hk, c.T = T;
+          c.index64 = (T + Hq) % 2 == 0;
+          cases.push_back(c);
+        }
+      }
+    }
+    for (Layout l : {Layout::FusedQkv, Layout::Misaligned})
+      for (int64_t D : {int64_t(128), int64_t(64)}) {
+        Case c;
+        c.dtype = dt, c.D = D, c.layout = l, c.T = 45, c.Hq = 6, c.Hk = 2;
+        cases.push_back(c);
+      }
+  }
+  for (const Case& c : cases)
+    for (Kernel k : {Kernel::Auto, Kernel::Tile, Kernel::Stream}) run_case(c, k, rng);
+  std::printf("grid: %zu cases x 3 kernels\n", cases.size());
+}
+
+void test_slot_errors(std::mt19937_64& rng) {
+  Case c;
+  c.T = 40, c.Hq = 4, c.Hk = 2, c.D = 128;
+  c.pool = 100;
+  // 1. check_slots=false: the bad row is skipped, the call returns, the next call reports.
+  {
+    std::vector<int64_t> slots(c.T);
+    for (int64_t t = 0; t < c.T; ++t) slots[t] = t;
+    slots[17] = 100;  // == pool size: out of range
+    slots[23] = 5000;
+    Problem pr(c, rng, &slots);
+    std::string m = catch_message<std::exception>([&] { rope_pool_fused(pr.dev, pr.params); });
+    expect(m.empty(), "out-of-range slot without check_slots: the call itself does not throw (" + m + ")");
+    CUDA_OK(cudaDeviceSynchronize());
+    check_outputs(pr, "out-of-range slot skipped, other rows written");
+    Problem next(c, rng);
+    m = catch_message<BackendError>([&] { rope_pool_fused(next.dev, next.params); });
+    // The record holds the first bad slot the device saw: either bad token of that call.
+    const bool named = m.find("slots[17] = 100 ") != std::string::npos ||
+                       m.find("slots[23] = 5000 ") != std::string::npos;
+    expect(named && m.find("pool of 100 slots") != std::string::npos,
+           "the next call reports the earlier bad slot: " + m);
+    m = catch_message<std::exception>([&] { rope_pool_fused(next.dev, next.params); });
+    expect(m.empty(), "reported once, then cleared: " + m);
+    CUDA_OK(cudaDeviceSynchronize());
+    check_outputs(next, "call after the report runs normally");
+  }
+  // 2. cuda_check_slot_errors: synchronises and reports.
+  {
+    std::vector<int64_t> slots(c.T, -1);
+    slots[3] = 1 << 30;
+    Problem pr(c, rng, &slots);
+    rope_pool_fused(pr.dev, pr.params);
+    std::string m = catch_message<BackendError>([] { cuda_check_slot_errors(); });
+    expect(m.find("slots[3] = 1073741824") != std::string::npos, "cuda_check_slot_errors reports: " + m);
+    m = catch_message<std::exception>([] { cuda_check_slot_errors(0); });
+    expect(m.empty(), "cuda_check_slot_errors clean after the report: " + m);
+  }
+  // 3. check_slots=true: ValueError text, nothing written at all.
+  for (bool i64 : {false, true}) {
+    Case ci = c;
+    ci.index64 = i64;
+    std::vector<int64_t> slots(c.T);
+    for (int64_t t = 0; t < c.T; ++t) slots[t] = t;
+    slots[9] = 100;
+    slots[30] = 101;
+    Problem pr(ci, rng, &slots);
+    CallOptions o;
+    o.check_slots = true;
+    const std::string m = catch_message<Error>([&] { rope_pool_fused(pr.dev, pr.params, o); });
+    expect(m == "rope_pool_fused: slots[9] = 100 is out of range for a pool of 100 slots",
+           "check_slots message: " + m);
+    CUDA_OK(cudaDeviceSynchronize());
+    check_outputs(pr, "check_slots: nothing written", /*expect_written=*/false);
+  }
+  {
+    std::vector<int64_t> slots(c.T);
+    for (int64_t t = 0; t < c.T; ++t) slots[t] = t;
+    slots[31] = 12;
+    Problem pr(c, rng, &slots);
+    CallOptions o;
+    o.check_slots = true;
+    const std::string m = catch_message<Error>([&] { rope_pool_fused(pr.dev, pr.params, o); });
+    expect(m == "rope_pool_fused: slots[31] = 12 repeats slots[12]; with check_slots each slot may be "
+                "written once per call",
+           "check_slots duplicate message: " + m);
+    check_outputs(pr, "check_slots duplicate: nothing written", false);
+    slots[31] = 31;
+    Problem ok(c, rng, &slots);
+    rope_pool_fused(ok.dev, ok.params, o);
+    CUDA_OK(cudaDeviceSynchronize());
+    check_outputs(ok, "check_slots with valid slots");
+  }
+  // 4. Out-of-range slot in the stream kernel (large T).
+  {
+    Case big = c;
+    big.T = 3000, big.pool = 6001;
+    std::vector<int64_t> slots(big.T);
+    for (int64_t t = 0; t < big.T; ++t) slots[t] = 2 * t;
+    slots[2500] = 6001;
+    Problem pr(big, rng, &slots);
+    rope_pool_fused(pr.dev, pr.params);
+    std::string m = catch_message<BackendError>([] { cuda_check_slot_errors(); });
+    expect(m.find("slots[2500] = 6001 out of range for a pool of 6001 slots") != std::string::npos,
+           "stream kernel: bad slot reported: " + m);
+    check_outputs(pr, "stream kernel: bad slot skipped");
+  }
+  // 5. Duplicates without checking: whole rows only. Many tokens on few slots, through every
+  //    duplicate scheme: shared-memory scan (tile, T <= 256: the LAST token wins), per-slot
+  //    locks (tile with more tokens, stream).
+  for (DType dt : {DType::BFloat16, DType::Float32}) {
+    for (auto [T, kernel] : {std::pair{int64_t(200), Kernel::Auto}, {int64_t(600), Kernel::Tile},
+                             {int64_t(4096), Kernel::Auto}, {int64_t(200), Kernel::Stream}}) {
+      Case d;
+      d.dtype = dt, d.T = T, d.Hq = 4, d.Hk = 8, d.D = 128, d.pool = 8;
+      std::vector<int64_t> slots(d.T);
+      for (int64_t t = 0; t < d.T; ++t) slots[t] = t % 5;
+      for (int rep = 0; rep < (g_sanitize ? 1 : 3); ++rep) {
+        Problem pr(d, rng, &slots);
+        call(pr, kernel);
+        CUDA_OK(cudaDeviceSynchronize());
+        const std::string what = std::string("duplicate slots keep whole rows (") + dtype_name(dt) +
+                                 " T=" + std::to_string(T) + " " + kernel_name(kernel) + ")";
+        check_outputs(pr, what);
+        if (T <= 256 && kernel == Kernel::Auto) {
+          // Scan mode: row s holds the last token with slot s.
+          const auto k_out = pr.fetch(*pr.d_k_out), pool = pr.fetch(*pr.d_pool_k);
+          const size_t row = size_t(d.Hk * d.D) * pr.es;
+          bool last = true;
+          for (int64_t s = 0; s < 5; ++s) {
+            const int64_t t_last = (T - 1) - ((T - 1 - s) % 5);
+            last &= !std::memcmp(&pool[size_t(s) * row], &k_out[size_t(t_last) * row], row);
+          }
+          expect(last, what + ": the last token wins");
+        }
+      }
+    }
+  }
+}
+
+void test_large_pool(std::mt19937_64& rng) {
+  // bf16 [P, 8, 128] with P = 2^21 + 64: 4.3 GB per pool; the last rows start past 2^32 bytes.
+  const int64_t Hk = 8, D = 128, P = (int64_t(1) << 21) + 64, T = 4;
+  const size_t row = size_t(Hk * D) * 2, bytes = size_t(P) * row;
+  size_t free_b = 0, total_b = 0;
+  CUDA_OK(cudaMemGetInfo(&free_b, &total_b));
+  if (free_b < 2 * bytes + (size_t(1) << 30)) {
+    std::printf("large pool: skipped (%.1f GB free)\n", double(free_b) / 1e9);
+    return;
+  }
+  DeviceBuffer kp(bytes), vp(bytes);
+  CUDA_OK(cudaMemset(kp.ptr, 0x11, bytes));
+  CUDA_OK(cudaMemset(vp.ptr, 0x22, bytes));
+  Case c;
+  c.T = T, c.Hq = 2, c.Hk = Hk, c.D = D, c.pool = 16;
+  std::vector<int64_t> slots = {P - 1, P - 3, int64_t(1) << 21, 5};
+  Problem pr(c, rng, &slots);  // its own small pools are ignored
+  const Device gpu{DeviceType::CUDA, 0};
+  pr.dev.k_pool = TensorView::contiguous(kp.ptr, c.dtype, {P, Hk, D}, gpu);
+  pr.dev.v_pool = TensorView::contiguous(vp.ptr, c.dtype, {P, Hk, D}, gpu);
+  CallOptions o;
+  o.check_slots = true;  // the range check reads the slots back: also exercises that path
+  rope_pool_fused(pr.dev, pr.params, o);
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto k_out = pr.fetch(*pr.d_k_out);
+  std::vector<uint8_t> got(row), vref;
+  bool ok = true;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s = slots[t];
+    CUDA_OK(cudaMemcpy(got.data(), kp.bytes_at(size_t(s) * row), row, cudaMemcpyDeviceToHost));
+    ok &= !std::memcmp(got.data(), &k_out[size_t(t) * row], row);
+    CUDA_OK(cudaMemcpy(got.data(), vp.bytes_at(size_t(s) * row), row, cudaMemcpyDeviceToHost));
+    const uint8_t* v0 = static_cast<const uint8_t*>(pr.host.v.data) + size_t(t * pr.host.v.strides[0]) * 2;
+    ok &= !std::memcmp(got.data(), v0, row);
+  }
+  // Neighbours untouched.
+  for (int64_t s : {P - 2, P - 4, (int64_t(1) << 21) - 1, (int64_t(1) << 21) + 1}) {
+    CUDA_OK(cudaMemcpy(got.data(), kp.bytes_at(size_t(s) * row), row, cudaMemcpyDeviceToHost));
+    ok &= std::all_of(got.begin(), got.end(), [](uint8_t b) { return b == 0x11; });
+  }
+  expect(ok, "pool over 4 GiB: rows past 2^32 bytes written exactly, neighbours untouched");
+  std::printf("large pool: %.2f GB per pool checked\n", double(bytes) / 1e9);
+}
+
+void test_graph(std::mt19937_64& rng) {
+  Case c;
+  c.T = 64, c.Hq = 32, c.Hk = 8, c.D = 128;
+  Problem pr(c, rng);
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CallOptions o;
+  o.stream = s;
+  rope_pool_fused(pr.dev, pr.params, o);  // warm-up outside capture (first-call setup)
+  CUDA_OK(cudaStreamSynchronize(s));
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  std::string m = catch_message<std::exception>([&] { rope_pool_fused(pr.dev, pr.params, o); });
+  CUDA_OK(cudaStreamEndCapture(s, &g));
+  expect(m.empty(), "capture: " + m);
+  size_t nodes = 0;
+  CUDA_OK(cudaGraphGetNodes(g, nullptr, &nodes));
+  expect(nodes == 1, "captured graph has one node, got " + std::to_string(nodes));
+  CUDA_OK(cudaGraphInstantiate(&ge, g, 0));
+  // New inputs in the same buffers, fresh poison, then replay.
+  Problem fresh(c, rng);
+  CUDA_OK(cudaMemcpy(pr.d_qkv->ptr, fresh.h_qkv.data(), fresh.h_qkv.size(), cudaMemcpyHostToDevice));
+  pr.h_qkv = fresh.h_qkv;
+  CUDA_OK(cudaMemset(pr.d_q_out->ptr, 0xff, pr.d_q_out->bytes));
+  CUDA_OK(cudaMemcpy(pr.d_pool_k->ptr, pr.h_pool_k.data(), pr.h_pool_k.size(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaGraphLaunch(ge, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  check_outputs(pr, "CUDA graph replay with new inputs");
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  cudaStreamDestroy(s);
+}
+
+// ---- benchmark ---------------------------------------------------------------------------------
+
+struct BenchSet {
+  std::unique_ptr<DeviceBuffer> q, k, v, pos, slots, q_out, k_out;
+};
+
+struct Workload {
+  int64_t T, P, Hq = 32, Hk = 8, D = 128;
+  DType dtype = DType::BFloat16;
+  std::vector<BenchSet> sets;
+  std::unique_ptr<DeviceBuffer> k_pool, v_pool;
+  RopePoolParams params;
+  std::vector<double> inv_freq;
+  double bytes() const {
+    return double(T) * D * 2 * (2 * Hq + 5 * Hk) + 2.0 * 4 * T;  // + int32 positions, slots
+  }
+  Workload(int64_t tokens, std::mt19937_64& rng) : T(tokens) {
+    P = std::max<int64_t>(65536, 4 * T);
+    params.head_dim = D, params.num_qo_heads = Hq, params.num_kv_heads = Hk, params.rope_base = 500000;
+    // Enough sets that one round does not fit the 60 MB L2 (at most 64 sets).
+    const double per_set = bytes();
+    const int n = int(std::clamp(std::ceil(256e6 / per_set), 2.0, 64.0));
+    k_pool = std::make_unique<DeviceBuffer>(size_t(P * Hk * D) * 2);
+    v_pool = std::make_unique<DeviceBuffer>(size_t(P * Hk * D) * 2);
+    CUDA_OK(cudaMemset(k_pool->ptr, 0, k_pool->bytes));
+    CUDA_OK(cudaMemset(v_pool->ptr, 0, v_pool->bytes));
+    std::vector<uint16_t> h;
+    std::uniform_real_distribution<float> u(-2.f, 2.f);
+    for (int i = 0; i < n; ++i) {
+      BenchSet s;
+      auto filled = [&](int64_t elems) {
+        auto b = std::make_unique<DeviceBuffer>(size_t(elems) * 2);
+        h.resize(size_t(elems));
+        for (auto& x : h) x = float_to_bf16(u(rng));
+        CUDA_OK(cudaMemcpy(b->ptr, h.data(), b->bytes, cudaMemcpyHostToDevice));
+        return b;
+      };
+      s.q = filled(T * Hq * D), s.k = filled(T * Hk * D), s.v = filled(T * Hk * D);
+      s.q_out = std::make_unique<DeviceBuffer>(size_t(T * Hq * D) * 2);
+      s.k_out = std::make_unique<DeviceBuffer>(size_t(T * Hk * D) * 2);
+      std::vector<int32_t> pos(T), slots(T);
+      // Decode-like positions up to 128K; slots a random permutation window of the pool.
+      for (int64_t t = 0; t < T; ++t) pos[t] = int32_t(rng() % 131072), slots[t] = int32_t((t * 7919 + i * 13) % P);
+      s.pos = std::make_unique<DeviceBuffer>(size_t(T) * 4);
+      s.slots = std::make_unique<DeviceBuffer>(size_t(T) * 4);
+      CUDA_OK(cudaMemcpy(s.pos->ptr, pos.data(), size_t(T) * 4, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(s.slots->ptr, slots.data(), size_t(T) * 4, cudaMemcpyHostToDevice));
+      sets.push_back(std::move(s));
+    }
+    inv_freq = make_rope_schedule(params).inv_freq;
+  }
+  detail::RopePoolProblem problem(int i, cudaStream_t stream) const {
+    const BenchSet& s = sets[size_t(i) % sets.size()];
+    detail::RopePoolProblem p;
+    p.dtype = dtype, p.num_tokens = T, p.num_qo_heads = Hq, p.num_kv_heads = Hk, p.head_dim = D;
+    p.rotary_dim = D, p.pool_size = P;
+    p.q = {s.q->ptr, Hq * D, D}, p.k = {s.k->ptr, Hk * D, D}, p.v = {s.v->ptr, Hk * D, D};
+    p.q_out = {s.q_out->ptr, Hq * D, D}, p.k_out = {s.k_out->ptr, Hk * D, D};
+    p.k_pool = {k_pool->ptr, Hk * D, D}, p.v_pool = {v_pool->ptr, Hk * D, D};
+    p.positions = {s.pos->ptr, 1, false}, p.slots = {s.slots->ptr, 1, false};
+    p.inv_freq = inv_freq.data();
+    p.stream = stream;
+    return p;
+  }
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+/// Median seconds per call over `batches` batches of `per_batch` calls (events around each
+/// batch), inputs rotating among the workload's sets.
+double time_stream(const Workload& w, const detail::cuda_launch::LaunchConfig& cfg, cudaStream_t s,
+                   int batches = 15, int per_batch = 20) {
+  cudaEvent_t a, b;
+  CUDA_OK(cudaEventCreate(&a));
+  CUDA_OK(cudaEventCreate(&b));
+  int i = 0;
+  for (int k = 0; k < 5; ++k) detail::cuda_launch::rope_pool_cuda_with(w.problem(i++, s), cfg);
+  std::vector<double> t;
+  for (int r = 0; r < batches; ++r) {
+    CUDA_OK(cudaEventRecord(a, s));
+    for (int k = 0; k < per_batch; ++k) detail::cuda_launch::rope_pool_cuda_with(w.problem(i++, s), cfg);
+    CUDA_OK(cudaEventRecord(b, s));
+    CUDA_OK(cudaEventSynchronize(b));
+    float ms = 0;
+    CUDA_OK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms * 1e-3 / per_batch);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return median(t);
+}
+
+double time_graph(const Workload& w, cudaStream_t s, const detail::cuda_launch::LaunchConfig& cfg = {},
+                  int calls = 20, int reps = 30) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  detail::cuda_launch::rope_pool_cuda_with(w.problem(0, s), cfg);
+  CUDA_OK(cudaStreamSynchronize(s));
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  for (int k = 0; k < calls; ++k) detail::cuda_launch::rope_pool_cuda_with(w.problem(k, s), cfg);
+  CUDA_OK(cudaStreamEndCapture(s, &g));
+  CUDA_OK(cudaGraphInstantiate(&ge, g, 0));
+  cudaEvent_t a, b;
+  CUDA_OK(cudaEventCreate(&a));
+  CUDA_OK(cudaEventCreate(&b));
+  for (int k = 0; k < 3; ++k) CUDA_OK(cudaGraphLaunch(ge, s));
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    CUDA_OK(cudaEventRecord(a, s));
+    CUDA_OK(cudaGraphLaunch(ge, s));
+    CUDA_OK(cudaEventRecord(b, s));
+    CUDA_OK(cudaEventSynchronize(b));
+    float ms = 0;
+    CUDA_OK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms * 1e-3 / calls);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  return median(t);
+}
+
+__global__ void empty_kernel() {}
+
+/// Per-node time of a graph of 20 empty kernels: what launching costs in a graph.
+double empty_graph_us(cudaStream_t s) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  for (int k = 0; k < 20; ++k) empty_kernel<<<1, 32, 0, s>>>();
+  CUDA_OK(cudaStreamEndCapture(s, &g));
+  CUDA_OK(cudaGraphInstantiate(&ge, g, 0));
+  cudaEvent_t a, b;
+  CUDA_OK(cudaEventCreate(&a));
+  CUDA_OK(cudaEventCreate(&b));
+  for (int k = 0; k < 3; ++k) CUDA_OK(cudaGraphLaunch(ge, s));
+  std::vector<double> t;
+  for (int r = 0; r < 30; ++r) {
+    CUDA_OK(cudaEventRecord(a, s));
+    CUDA_OK(cudaGraphLaunch(ge, s));
+    CUDA_OK(cudaEventRecord(b, s));
+    CUDA_OK(cudaEventSynchronize(b));
+    float ms = 0;
+    CUDA_OK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms * 1e-3 / 20);
+  }
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  return median(t);
+}
+
+double copy_bandwidth(cudaStream_t s) {
+  const size_t bytes = size_t(1) << 30;
+  DeviceBuffer src(bytes), dst(bytes);
+  CUDA_OK(cudaMemset(src.ptr, 1, bytes));
+  cudaEvent_t a, b;
+  CUDA_OK(cudaEventCreate(&a));
+  CUDA_OK(cudaEventCreate(&b));
+  std::vector<double> t;
+  for (int r = 0; r < 12; ++r) {
+    CUDA_OK(cudaEventRecord(a, s));
+    CUDA_OK(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, s));
+    CUDA_OK(cudaEventRecord(b, s));
+    CUDA_OK(cudaEventSynchronize(b));
+    float ms = 0;
+    CUDA_OK(cudaEventElapsedTime(&ms, a, b));
+    if (r >= 2) t.push_back(ms * 1e-3);
+  }
+  return 2.0 * double(bytes) / median(t);  // read + write
+}
+
+void bench(bool sweep, std::mt19937_64& rng) {
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const double copy = copy_bandwidth(s);
+  std::printf("device-to-device copy: %.0f GB/s (read + write)\n", copy / 1e9);
+  g_json += "{\"copy_GBps\": " + std::to_string(copy / 1e9) + ", \"rows\": [";
+  const double floor_us = empty_graph_us(s) * 1e6;
+  std::printf("graph replay of an empty kernel: %.2f us per node (the floor)\n", floor_us);
+  g_json += "\"empty_graph_us\": " + std::to_string(floor_us) + ", ";
+  std::printf("%8s %10s %9s %7s %10s %10s %14s  %s\n", "T", "us/call", "GB/s", "%copy", "graph us",
+              "no-dedup us", "plan", "best sweep (us)");
+  bool first_row = true;
+  for (int64_t T : {1, 16, 64, 256, 1024, 4096, 16384, 65536}) {
+    Workload w(T, rng);
+    detail::cuda_launch::LaunchConfig def;
+    const auto plan = detail::cuda_launch::plan_launch(w.problem(0, s), def);
+    const double t = time_stream(w, def, s);
+    detail::cuda_launch::LaunchConfig nolock;
+    nolock.dedupe_rows = false;
+    const double tn = time_stream(w, nolock, s);
+    const double tg = T <= 256 ? time_graph(w, s) : 0;
+    std::string best;
+    if (sweep) {
+      double best_t = 1e9;
+      auto consider = [&](const detail::cuda_launch::LaunchConfig& c, const char* label) {
+        const double tc = time_stream(w, c, s, 7, 10);
+        if (tc < best_t) {
+          best_t = tc;
+          char b[80];
+          std::snprintf(b, sizeof b, "%s: %.2f", label, tc * 1e6);
+          best = b;
+        }
+      };
+      for (int warps : {2, 3, 4, 6, 8})
+        for (int tok : {1, 2, 4})
+          for (int split : {1, 2, 3}) {
+            if (split > 1 && (T > 256 || tok > 1)) continue;
+            detail::cuda_launch::LaunchConfig c;
+            c.kernel = Kernel::Tile;
+            c.warps_per_cta = warps, c.tokens_per_cta = tok, c.ctas_per_tile = split;
+            char label[40];
+            std::snprintf(label, sizeof label, "tile %d,%d,%d", warps, tok, split);
+            consider(c, label);
+          }
+      {
+        detail::cuda_launch::LaunchConfig c;
+        c.kernel = Kernel::Tile;
+        c.reg_cap = true;
+        consider(c, "tile regcap64");
+      }
+      for (int per_sm : {0, 2, 3, 4}) {
+        detail::cuda_launch::LaunchConfig c;
+        c.kernel = Kernel::Stream;
+        c.ctas_per_sm = per_sm;
+        char label[40];
+        std::snprintf(label, sizeof label, "stream %d/SM", per_sm);
+        consider(c, label);
+      }
+      // Both kernels at their defaults, for the crossover.
+      detail::cuda_launch::LaunchConfig tile, stream;
+      tile.kernel = Kernel::Tile;
+      stream.kernel = Kernel::Stream;
+      detail::cuda_launch::LaunchConfig tile_nd = tile, tile_rc = tile;
+      tile_nd.dedupe_rows = false;
+      tile_rc.reg_cap = true;
+      const double tt = time_stream(w, tile, s), ts = time_stream(w, stream, s);
+      const double tnd = time_stream(w, tile_nd, s), trc = time_stream(w, tile_rc, s);
+      char b[200];
+      std::snprintf(b, sizeof b, " | tile %.2f (no-dedup %.2f, regcap %.2f) stream %.2f", tt * 1e6,
+                    tnd * 1e6, trc * 1e6, ts * 1e6);
+      best += b;
+      if (T <= 256) {
+        detail::cuda_launch::LaunchConfig off;
+        off.pdl = -1;
+        std::snprintf(b, sizeof b, " | graph no-PDL %.2f", time_graph(w, s, off) * 1e6);
+        best += b;
+      }
+    }
+    char pl[32];
+    if (plan.config.kernel == Kernel::Stream)
+      std::snprintf(pl, sizeof pl, "stream");
+    else
+      std::snprintf(pl, sizeof pl, "tile %d,%d,%d", plan.config.warps_per_cta, plan.config.tokens_per_cta,
+                    plan.config.ctas_per_tile);
+    const double gbps = w.bytes() / t;
+    std::printf("%8lld %10.2f %9.0f %6.1f%% %10.2f %10.2f %14s  %s\n", (long long)T, t * 1e6, gbps / 1e9,
+                100 * gbps / copy, tg * 1e6, tn * 1e6, pl, best.c_str());
+    char js[400];
+    std::snprintf(js, sizeof js,
+                  "%s{\"T\": %lld, \"us\": %.3f, \"GBps\": %.1f, \"graph_us\": %.3f, \"nolock_us\": %.3f, "
+                  "\"plan\": \"%s\", \"best\": \"%s\"}",
+                  first_row ? "" : ", ", (long long)T, t * 1e6, gbps / 1e9, tg * 1e6, tn * 1e6, pl, best.c_str());
+    g_json += js;
+    first_row = false;
+    std::fflush(stdout);
+  }
+  g_json += "]}";
+  cudaStreamDestroy(s);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool test = false, do_bench = false, sweep = false, quick = false;
+  std::string json;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--test") test = true;
+    else if (a == "--bench") do_bench = true;
+    else if (a == "--sweep") do_bench = sweep = true;
+    else if (a == "--quick") quick = true;
+    else if (a == "--sanitize") quick = g_sanitize = true;
+    else if (a == "--json" && i + 1 < argc) json = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: %s [--test] [--bench] [--sweep] [--quick] [--sanitize] [--json FILE]\n",
+                   argv[0]);
+      return 2;
+    }
+  }
+  if (!test && !do_bench) test = true;
+  cudaDeviceProp prop{};
+  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, %.0f MB L2\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6);
+  const uint64_t seed = std::random_device{}();
+  std::printf("seed: %llu\n", (unsigned long long)seed);
+  std::mt19937_64 rng(seed);
+  if (test) {
+    test_grid(quick, rng);
+    test_slot_errors(rng);
+    test_graph(rng);
+    if (!quick) test_large_pool(rng);
+    std::printf("tests: %d checks, %d failures\n", g_checks, g_failures);
+  }
+  if (do_bench) bench(sweep, rng);
+  if (!json.empty()) std::ofstream(json) << (g_json.empty() ? "{}" : g_json) << "\n";
+  return g_failures == 0 ? 0 : 1;
+}
