@@ -1,0 +1,357 @@
+#!/usr/bin/env python3
+"""ropepool on a CUDA GPU next to PyTorch eager, torch.compile and a device-to-device copy.
+
+One command, one process, one table:
+
+    python bench/gpu_bench.py                       # default workload, all token counts
+    python bench/gpu_bench.py --tokens 1,4096 --json out.json
+
+Workload (Llama-3-8B attention): bfloat16, num_qo_heads 32, num_kv_heads 8, head_dim 128,
+rope_base 500000, int32 positions (random below 2^17) and slots (distinct random rows of a
+pool of max(65536, 4T) slots; none negative, so the PyTorch baselines need no host sync),
+T in 1, 16, 64, 256, 1024, 4096, 16384, 65536.
+
+Contenders, all computing the same function:
+  ropepool   ropepool.rope_pool_fused (one kernel)
+  eager      PyTorch: cos/sin of float64 angles, float32 rotation, cast, index_copy_ of k_rot
+             and v into the pools
+  compile    torch.compile of that same function (fullgraph, dynamic shapes: one compile)
+  copy       torch copy_ of a 1 GiB buffer: the bandwidth ceiling (bytes read + written)
+
+Before timing, ropepool's outputs are checked against eager's (q_rot/k_rot within 2 ulp,
+pool rows bit-identical to k_rot / v, nothing else in the pools changed).
+
+Timing: plain stream: median over batches of calls timed with CUDA events, inputs rotated
+among several input sets so the 60 MB L2 does not hold them all (a decode step reads its
+inputs from L2 in practice, so small T may still hit L2); CUDA graph (T <= 256): 20 calls
+over rotating sets captured once, the median replay divided by 20.
+Effective bandwidth counts T * D * elem * (2 * Hq + 5 * Hk) + index bytes: q, k, v read,
+q_rot, k_rot, k_pool and v_pool rows written.
+
+Writes full results to --json (default $OUT/gpu_bench.json when $OUT is set) and prints a
+short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+try:
+    import ropepool
+except ImportError as e:  # still time the baselines, say why ropepool is missing
+    ropepool = None
+    ROPEPOOL_IMPORT_ERROR = str(e)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="1,16,64,256,1024,4096,16384,65536")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--num-qo-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--rope-base", type=float, default=500000.0)
+    p.add_argument("--graph-max-tokens", type=int, default=256)
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--seconds", type=float, default=0.4, help="timing budget per contender and T")
+    p.add_argument("--seed", type=int, default=20240601)
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args(argv)
+    args.tokens = [int(t) for t in args.tokens.split(",") if t]
+    if args.json is None and os.environ.get("OUT"):
+        args.json = os.path.join(os.environ["OUT"], "gpu_bench.json")
+    return args
+
+
+# --- the contenders ---------------------------------------------------------------------------
+
+def make_inv_freq(head_dim, rope_base, device):
+    i = torch.arange(head_dim // 2, dtype=torch.float64, device=device)
+    return rope_base ** (-2.0 * i / head_dim)
+
+
+def torch_rope_pool(q, k, v, positions, slots, k_pool, v_pool, inv_freq64):
+    """The unfused PyTorch path: float64 angles (as accurate as ropepool), float32 rotation,
+    one rounding to the dtype, index_copy_ into the pools (slots all >= 0: no host sync)."""
+    half = q.shape[-1] // 2
+    theta = positions.to(torch.float64)[:, None] * inv_freq64[None, :]
+    cos = torch.cos(theta).to(torch.float32)
+    sin = torch.sin(theta).to(torch.float32)
+    cos = torch.cat((cos, cos), dim=-1)[:, None, :]
+    sin = torch.cat((sin, sin), dim=-1)[:, None, :]
+
+    def rotate(x):
+        xf = x.to(torch.float32)
+        rotated_half = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+        return (xf * cos + rotated_half * sin).to(x.dtype)
+
+    q_rot = rotate(q)
+    k_rot = rotate(k)
+    rows = slots.to(torch.int64)
+    k_pool.index_copy_(0, rows, k_rot)
+    v_pool.index_copy_(0, rows, v)
+    return q_rot, k_rot, k_pool, v_pool
+
+
+# --- workload ----------------------------------------------------------------------------------
+
+class Workload:
+    def __init__(self, T, args, gen):
+        self.T = T
+        self.dtype = DTYPES[args.dtype]
+        Hq, Hk, D = args.num_qo_heads, args.num_kv_heads, args.head_dim
+        self.shape = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk, rope_base=args.rope_base)
+        self.P = max(65536, 4 * T)
+        es = torch.tensor([], dtype=self.dtype).element_size()
+        self.bytes = T * D * es * (2 * Hq + 5 * Hk) + 2 * 4 * T
+        set_bytes = max(1, T * D * es * (Hq + 2 * Hk))
+        # Rotate among enough input sets that one round exceeds the L2 several times over.
+        n_sets = int(min(64, max(2, math.ceil(256e6 / set_bytes))))
+        dev = "cuda"
+
+        def uniform(*shape):
+            return (torch.rand(*shape, generator=gen, device=dev) * 8 - 4).to(self.dtype)
+
+        self.sets = []
+        for _ in range(n_sets):
+            self.sets.append(dict(
+                q=uniform(T, Hq, D), k=uniform(T, Hk, D), v=uniform(T, Hk, D),
+                positions=torch.randint(0, 1 << 17, (T,), generator=gen, device=dev, dtype=torch.int32),
+                slots=torch.randperm(self.P, generator=gen, device=dev)[:T].to(torch.int32)))
+        self.k_pool = uniform(self.P, Hk, D)
+        self.v_pool = uniform(self.P, Hk, D)
+        self.inv_freq64 = make_inv_freq(D, args.rope_base, dev)
+
+    def args_of(self, i):
+        s = self.sets[i % len(self.sets)]
+        return (s["q"], s["k"], s["v"], s["positions"], s["slots"], self.k_pool, self.v_pool)
+
+
+def check(w, compiled):
+    """ropepool vs eager on set 0: returns (problems, notes)."""
+    problems = []
+    a = w.args_of(0)
+    k0, v0 = w.k_pool.clone(), w.v_pool.clone()
+    r = ropepool.rope_pool_fused(*a, **w.shape)
+    r_kp, r_vp = w.k_pool.clone(), w.v_pool.clone()
+    w.k_pool.copy_(k0)
+    w.v_pool.copy_(v0)
+    t = torch_rope_pool(*a, w.inv_freq64)
+    t_kp, t_vp = w.k_pool.clone(), w.v_pool.clone()
+    w.k_pool.copy_(k0)
+    w.v_pool.copy_(v0)
+    notes = []
+    if compiled is not None:
+        # Inductor may contract into FMAs: informational, not a failure of ropepool.
+        c = compiled(*a, w.inv_freq64)
+        if not (torch.equal(c[0], t[0]) and torch.equal(c[1], t[1])):
+            d = (c[0].float() - t[0].float()).abs().max().item()
+            notes.append(f"torch.compile output differs from eager by up to {d:.3g}")
+        w.k_pool.copy_(k0)
+        w.v_pool.copy_(v0)
+    mant = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[w.dtype]
+    for name, x, y in (("q_rot", r[0], t[0]), ("k_rot", r[1], t[1])):
+        x64, y64 = x.double(), y.double()
+        bound = 2.0 ** (1 - mant) * torch.maximum(x64.abs(), y64.abs()) + 2.0 ** -17 * 8
+        nbad = int((~((x64 - y64).abs() <= bound)).sum())
+        if nbad:
+            problems.append(f"{name}: {nbad} elements differ from eager by more than 2 ulp")
+    rows = a[4].to(torch.int64)
+    if not torch.equal(r_kp[rows], r[1]) or not torch.equal(r_vp[rows], a[2]):
+        problems.append("ropepool pool rows are not bit-identical to k_rot / v")
+    untouched = torch.ones(w.P, dtype=torch.bool, device="cuda")
+    untouched[rows] = False
+    if not (torch.equal(r_kp[untouched], k0[untouched]) and torch.equal(r_vp[untouched], v0[untouched])):
+        problems.append("ropepool changed pool rows no token names")
+    if not torch.equal(t_vp, r_vp):
+        problems.append("v_pool differs between ropepool and eager")
+    return problems, notes
+
+
+# --- timing ------------------------------------------------------------------------------------
+
+def time_stream(fn, w, seconds):
+    """Median seconds per call: batches of calls between CUDA events, inputs rotating."""
+    i = 0
+    for _ in range(3):
+        fn(*w.args_of(i))
+        i += 1
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn(*w.args_of(i))
+    torch.cuda.synchronize()
+    one = max(time.perf_counter() - t0, 1e-6)
+    per_batch = int(min(50, max(1, 0.01 / one)))
+    batches = int(min(40, max(5, seconds / (one * per_batch))))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(batches):
+        start.record()
+        for _ in range(per_batch):
+            fn(*w.args_of(i))
+            i += 1
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e-3 / per_batch)
+    return statistics.median(samples), samples
+
+
+def time_graph(fn, w, calls=20, replays=30):
+    """Median seconds per call of a CUDA graph of `calls` calls over rotating input sets."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(3):
+            fn(*w.args_of(i))
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(*w.args_of(i))
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(replays):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e-3 / calls)
+    del g
+    return statistics.median(samples)
+
+
+def copy_bandwidth(nbytes=1 << 30):
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for r in range(12):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if r >= 2:
+            samples.append(start.elapsed_time(end) * 1e-3)
+    del src, dst
+    return 2 * nbytes / statistics.median(samples)
+
+
+def copy_same_bytes(nbytes):
+    """Seconds to copy nbytes/2 (read + write = nbytes): the per-size ceiling."""
+    n = max(16, nbytes // 2)
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for r in range(20):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if r >= 3:
+            samples.append(start.elapsed_time(end) * 1e-3)
+    return statistics.median(samples)
+
+
+# --- main --------------------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("gpu_bench.py: no CUDA device")
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}", flush=True)
+    if ropepool is None:
+        print(f"ropepool: NOT IMPORTABLE ({ROPEPOOL_IMPORT_ERROR}); timing the baselines only")
+    elif not ropepool.cuda_backend:
+        print("ropepool: built without the CUDA backend; timing the baselines only")
+    have_ropepool = ropepool is not None and ropepool.cuda_backend
+    copy_bps = copy_bandwidth()
+    print(f"device-to-device copy (1 GiB): {copy_bps / 1e9:.0f} GB/s counting read + write", flush=True)
+
+    compiled = None
+    if not args.no_compile:
+        compiled = torch.compile(torch_rope_pool, fullgraph=True, dynamic=True)
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(args.seed)
+    rows, problems_all = [], []
+    for T in args.tokens:
+        w = Workload(T, args, gen)
+        row = dict(T=T, bytes=w.bytes, input_sets=len(w.sets))
+        t_compile0 = time.perf_counter()
+        if compiled is not None:
+            compiled(*w.args_of(0), w.inv_freq64)  # (re)compile outside the timings
+            torch.cuda.synchronize()
+        row["compile_warmup_s"] = time.perf_counter() - t_compile0
+        if have_ropepool:
+            problems, notes = check(w, compiled) if T > 0 else ([], [])
+            row["problems"], row["notes"] = problems, notes
+            problems_all += [f"T={T}: {p}" for p in problems]
+            rp = lambda *a: ropepool.rope_pool_fused(*a, **w.shape)  # noqa: E731
+            row["ropepool_us"], _ = time_stream(rp, w, args.seconds)
+            row["ropepool_us"] *= 1e6
+        eager = lambda *a: torch_rope_pool(*a, w.inv_freq64)  # noqa: E731
+        row["eager_us"] = time_stream(eager, w, args.seconds)[0] * 1e6
+        if compiled is not None:
+            comp = lambda *a: compiled(*a, w.inv_freq64)  # noqa: E731
+            row["compile_us"] = time_stream(comp, w, args.seconds)[0] * 1e6
+        row["copy_same_bytes_us"] = copy_same_bytes(w.bytes) * 1e6
+        if T <= args.graph_max_tokens:
+            if have_ropepool:
+                row["ropepool_graph_us"] = time_graph(rp, w) * 1e6
+            row["eager_graph_us"] = time_graph(eager, w) * 1e6
+            if compiled is not None:
+                row["compile_graph_us"] = time_graph(comp, w) * 1e6
+        if have_ropepool:
+            row["ropepool_GBps"] = w.bytes / (row["ropepool_us"] * 1e-6) / 1e9
+            row["ropepool_pct_copy"] = 100 * w.bytes / (row["ropepool_us"] * 1e-6) / copy_bps
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del w
+        torch.cuda.empty_cache()
+
+    result = dict(device=props.name, torch=torch.__version__, copy_GBps=copy_bps / 1e9,
+                  dtype=args.dtype, num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads,
+                  head_dim=args.head_dim, rope_base=args.rope_base, rows=rows,
+                  problems=problems_all, ropepool=have_ropepool)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+    def f(x, fmt="{:.2f}"):
+        return fmt.format(x) if x is not None else "-"
+
+    print()
+    print(f"ropepool GPU bench: {props.name}, {args.dtype}, Hq {args.num_qo_heads}, Hk {args.num_kv_heads}, "
+          f"D {args.head_dim}; copy ceiling {copy_bps / 1e9:.0f} GB/s (read + write)")
+    print(f"{'T':>6} {'ropepool us':>11} {'GB/s':>6} {'%copy':>6} {'eager us':>9} {'compile us':>10} "
+          f"{'x compile':>9} | {'graph: ropepool':>15} {'eager':>7} {'compile':>8}")
+    for r in rows:
+        speedup = r["compile_us"] / r["ropepool_us"] if "compile_us" in r and "ropepool_us" in r else None
+        print(f"{r['T']:>6} {f(r.get('ropepool_us')):>11} {f(r.get('ropepool_GBps'), '{:.0f}'):>6} "
+              f"{f(r.get('ropepool_pct_copy'), '{:.1f}'):>6} {f(r['eager_us']):>9} {f(r.get('compile_us')):>10} "
+              f"{f(speedup, '{:.1f}x'):>9} | {f(r.get('ropepool_graph_us')):>15} {f(r.get('eager_graph_us')):>7} "
+              f"{f(r.get('compile_graph_us')):>8}")
+    if problems_all:
+        print("CHECK FAILED:\n  " + "\n  ".join(problems_all))
+        return 1
+    return 0 if have_ropepool else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# ropepool on a CUDA machine (H200, sm_90), one command from the repository root:
+#
+#   bash scripts/gpu_check.sh            # build, test, sanitize, benchmark; ~5-8 minutes
+#
+# Expects: nvcc, python3 with torch (CUDA), nanobind, scikit-build-core, pytest, cmake and
+# ninja already installed; no network (pip runs with --no-build-isolation --no-deps).
+# Highway and GoogleTest come from Debian packages in .deb/ (libhwy1, libhwy-dev,
+# libgtest-dev), unpacked with `dpkg -x` into /tmp/ropepool-debs, unless they are installed.
+#
+# Steps (each runs even when an earlier one failed, unless it needs that one's output):
+#   1. pip install the package with the CUDA backend (sm_90)
+#   2. CMake build of the library with CUDA, the C++ tests and the CLI; ctest
+#   3. the CUDA self-test driver (src/cuda/selftest.cu): every kernel path vs the float64
+#      reference, SPEC §3 slot errors, duplicates, a pool over 4 GiB, CUDA graphs
+#   4. the whole pytest suite (CPU and GPU tests)
+#   5. compute-sanitizer memcheck on the self-test driver (small grid)
+#   6. bench/gpu_bench.py (ropepool vs PyTorch eager, torch.compile, copy)
+# Logs go to $OUT (or ./gpu-check-logs): at most 8 files. A summary table is printed last.
+# Exit status: 0 when every step passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+LOGS=${OUT:-$ROOT/gpu-check-logs}
+mkdir -p "$LOGS"
+JOBS=${JOBS:-$(nproc)}
+PY=${PYTHON:-python3}
+BUILD=$ROOT/build-gpu
+DEBS=/tmp/ropepool-debs
+START=$SECONDS
+export PYTHONUNBUFFERED=1
+
+declare -a NAMES STATUS TIMES NOTES
+step() {  # name, seconds, status, note
+  NAMES+=("$1"); TIMES+=("$2"); STATUS+=("$3"); NOTES+=("$4")
+  printf '\n=== %s: %s (%ss) %s\n' "$1" "$3" "$2" "$4"
+}
+run_step() {  # name, log, timeout, command...
+  local name=$1 log=$2 limit=$3; shift 3
+  local t0=$SECONDS
+  printf '\n=== %s\n' "$name" | tee -a "$log"
+  timeout --signal=KILL "$limit" "$@" >>"$log" 2>&1
+  local rc=$?
+  local st=PASS
+  if [ $rc -eq 137 ] || [ $rc -eq 124 ]; then st="TIMEOUT(${limit}s)"; elif [ $rc -ne 0 ]; then st="FAIL(rc=$rc)"; fi
+  LAST_RC=$rc
+  step "$name" $((SECONDS - t0)) "$st" ""
+  [ $rc -eq 0 ] || tail -n 25 "$log"
+  return $rc
+}
+
+# --- environment ------------------------------------------------------------------------
+{
+  echo "date: $(date -u +%FT%TZ)"; uname -a
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
+  nvcc --version | tail -n 2
+  cmake --version | head -n 1
+  $PY -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())'
+  command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || echo "compute-sanitizer: not found"
+  git log -1 --format='commit %h %s' 2>/dev/null || true
+} 2>&1 | tee "$LOGS/summary.txt"
+
+# --- Highway / GoogleTest from .deb ---------------------------------------------------------
+CMAKE_DEPS=()
+if ls .deb/*.deb >/dev/null 2>&1; then
+  mkdir -p "$DEBS"
+  for f in .deb/*.deb; do dpkg -x "$f" "$DEBS"; done
+  LIBDIR=$DEBS/usr/lib/x86_64-linux-gnu
+  [ -d "$LIBDIR/cmake/hwy" ] && CMAKE_DEPS+=("-Dhwy_DIR=$LIBDIR/cmake/hwy")
+  [ -d "$LIBDIR/cmake/GTest" ] && CMAKE_DEPS+=("-DGTest_DIR=$LIBDIR/cmake/GTest")
+  CMAKE_DEPS+=("-DCMAKE_PREFIX_PATH=$DEBS/usr")
+  export LD_LIBRARY_PATH=$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  echo "unpacked $(ls .deb/*.deb | wc -l) .deb files into $DEBS" | tee -a "$LOGS/summary.txt"
+fi
+# CMake < 3.26 knows no C++20 flag for nvcc (src/cuda/cuda.cmake has the same fix).
+CUDA_STD=(-DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20)
+CUDA_OPTS=(-DROPEPOOL_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 "${CUDA_STD[@]}")
+
+# --- 1 + 2: the two builds, side by side ----------------------------------------------------
+PIP_ARGS=(--no-build-isolation --no-deps --no-cache-dir -v)
+for d in "${CUDA_OPTS[@]}" "${CMAKE_DEPS[@]}"; do PIP_ARGS+=("-Ccmake.define.${d#-D}"); done
+PIP_ARGS+=("-Cbuild-dir=$BUILD/python")
+t0=$SECONDS
+( CMAKE_BUILD_PARALLEL_LEVEL=$JOBS ROPEPOOL_WITH_CUDA=ON timeout --signal=KILL 420 \
+    $PY -m pip install "${PIP_ARGS[@]}" . >"$LOGS/build.log.pip" 2>&1; echo $? >"$BUILD.pip.rc" ) &
+PIP_PID=$!
+mkdir -p "$BUILD"
+{
+  echo "=== cmake configure"
+  # -Xptxas -v: the register/spill report of every kernel lands in this log.
+  cmake -S . -B "$BUILD/cpp" -G Ninja -DCMAKE_BUILD_TYPE=Release -DROPEPOOL_BUILD_TESTS=ON \
+    -DROPEPOOL_BUILD_CLI=ON "${CUDA_OPTS[@]}" "${CMAKE_DEPS[@]}" "-DCMAKE_CUDA_FLAGS=-Xptxas -v" &&
+  echo "=== cmake build" && timeout --signal=KILL 420 cmake --build "$BUILD/cpp" -j "$JOBS"
+} >"$LOGS/build.log" 2>&1
+CPP_RC=$?
+wait $PIP_PID
+PIP_RC=$(cat "$BUILD.pip.rc" 2>/dev/null || echo 1)
+cat "$LOGS/build.log.pip" >>"$LOGS/build.log"; rm -f "$LOGS/build.log.pip"
+# Register/spill summary of the CUDA kernels (counts of "N regs, S bytes spilled").
+REGS=$(grep -E "Used [0-9]+ registers|spill stores" "$LOGS/build.log" | grep -B1 "Used" |
+  grep -oE "[0-9]+ bytes spill stores|Used [0-9]+ registers" | paste -d' ' - - |
+  awk '{print $6 "r/" $1 "B"}' | sort | uniq -c | awk '{printf "%sx%s ", $1, $2}')
+echo "ptxas: $REGS" >>"$LOGS/build.log"
+step "pip install (CUDA)" $((SECONDS - t0)) "$([ "$PIP_RC" = 0 ] && echo PASS || echo "FAIL(rc=$PIP_RC)")" ""
+step "cmake build (CUDA, tests, CLI)" $((SECONDS - t0)) "$([ $CPP_RC = 0 ] && echo PASS || echo "FAIL(rc=$CPP_RC)")" "ptxas: ${REGS:0:80}"
+[ "$PIP_RC" = 0 ] && [ $CPP_RC = 0 ] || tail -n 40 "$LOGS/build.log"
+
+# --- 2b: ctest ----------------------------------------------------------------------------
+if [ $CPP_RC = 0 ]; then
+  run_step "ctest" "$LOGS/ctest.log" 300 ctest --test-dir "$BUILD/cpp" --output-on-failure -j "$JOBS"
+  NOTES[-1]="$(grep -E 'tests passed|tests failed' "$LOGS/ctest.log" | tail -n 1)"
+fi
+
+# --- 3: CUDA self-test driver ------------------------------------------------------------------
+SELFTEST=$BUILD/rope_pool_cuda_selftest
+if [ $CPP_RC = 0 ]; then
+  nvcc -std=c++20 -O2 -lineinfo -arch=sm_90 -I"$ROOT/include" "$ROOT/src/cuda/selftest.cu" \
+    "$BUILD/cpp/libropepool.a" -L"${LIBDIR:-/usr/lib/x86_64-linux-gnu}" -lhwy -lpthread \
+    -o "$SELFTEST" >>"$LOGS/build.log" 2>&1 || echo "selftest: build failed" | tee -a "$LOGS/build.log"
+fi
+if [ -x "$SELFTEST" ]; then
+  run_step "CUDA self-test (C++ driver)" "$LOGS/selftest.log" 300 "$SELFTEST" --test
+  NOTES[-1]="$(grep -E '^tests:' "$LOGS/selftest.log" | tail -n 1)"
+fi
+
+# --- 4: pytest ---------------------------------------------------------------------------------
+if [ "$PIP_RC" = 0 ]; then
+  # From a directory without the source package, so the installed one is imported.
+  run_step "pytest (whole suite, GPU included)" "$LOGS/pytest.log" 420 \
+    bash -c "cd /tmp && $PY -m pytest '$ROOT/tests/python' -q -p no:cacheprovider -rs --rootdir '$ROOT' -c '$ROOT/pyproject.toml'"
+  NOTES[-1]="$(grep -E '[0-9]+ (passed|failed)' "$LOGS/pytest.log" | tail -n 1)"
+fi
+
+# --- 5: compute-sanitizer ----------------------------------------------------------------------
+SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+if [ -x "$SELFTEST" ] && [ -x "$SAN" ]; then
+  run_step "compute-sanitizer memcheck (self-test, small grid)" "$LOGS/sanitizer.log" 300 \
+    "$SAN" --tool memcheck --error-exitcode 99 --leak-check no "$SELFTEST" --test --sanitize
+  NOTES[-1]="$(grep -E 'ERROR SUMMARY' "$LOGS/sanitizer.log" | tail -n 1)"
+else
+  step "compute-sanitizer" 0 "SKIPPED" "no self-test binary or no compute-sanitizer"
+fi
+
+# --- 6: benchmark ---------------------------------------------------------------------------
+if [ "$PIP_RC" = 0 ]; then
+  run_step "bench/gpu_bench.py" "$LOGS/bench.log" 360 \
+    bash -c "cd /tmp && OUT='$LOGS' $PY '$ROOT/bench/gpu_bench.py' --json '$LOGS/gpu_bench.json'"
+fi
+
+# --- summary ------------------------------------------------------------------------------------
+{
+  echo
+  echo "ropepool gpu_check: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1), $((SECONDS - START)) s total, logs in $LOGS"
+  [ -f "$LOGS/bench.log" ] && sed -n '/^ropepool GPU bench/,$p' "$LOGS/bench.log"
+  echo
+  printf '%-52s %-14s %6s  %s\n' "step" "status" "sec" "note"
+  FAILED=0
+  for i in "${!NAMES[@]}"; do
+    printf '%-52s %-14s %6s  %s\n' "${NAMES[$i]}" "${STATUS[$i]}" "${TIMES[$i]}" "${NOTES[$i]}"
+    case "${STATUS[$i]}" in PASS|SKIPPED) ;; *) FAILED=1 ;; esac
+  done
+  [ $FAILED = 0 ] && echo "ALL PASSED" || echo "SOME STEPS FAILED"
+} | tee -a "$LOGS/summary.txt"
+exit $FAILED
