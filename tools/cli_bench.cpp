@@ -325,7 +325,7 @@ std::string json_escape(const std::string& s) {
 }
 
 void write_json(const BenchConfig& cfg, const CopyResult& copy, const std::vector<TokenResult>& rs,
-                const std::string& date) {
+                const std::string& date, double load_at_start, double load_at_end) {
   std::ofstream f(cfg.json_path);
   if (!f) throw UsageError{"--json: cannot open '" + cfg.json_path + "' for writing"};
   const RopePoolParams& p = cfg.params;
@@ -333,6 +333,8 @@ void write_json(const BenchConfig& cfg, const CopyResult& copy, const std::vecto
     << "  \"cpu\": \"" << json_escape(cpu_model())
     << "\",\n  \"hardware_threads\": " << std::thread::hardware_concurrency()
     << ",\n  \"threads\": " << cfg.threads << ",\n"
+    << "  \"load_average_start\": " << load_at_start << ",\n  \"load_average_end\": " << load_at_end
+    << ",\n"
     << "  \"dtype\": \"" << dtype_name(cfg.dtype) << "\",\n  \"index_dtype\": \""
     << dtype_name(cfg.index_dtype) << "\",\n  \"num_qo_heads\": " << p.num_qo_heads
     << ",\n  \"num_kv_heads\": " << p.num_kv_heads << ",\n  \"head_dim\": " << p.head_dim
@@ -448,8 +450,14 @@ int run_bench(Args& args) {
   const RopePoolParams& p = cfg.params;
 
   std::printf("ropepool %s bench, %s\n", kVersion, date.c_str());
+  const double load_at_start = load_average();
   std::printf("CPU: %s, %u hardware threads, L3 %zu MiB; ropepool threads: %d\n",
               cpu_model().c_str(), std::thread::hardware_concurrency(), l3 >> 20, cfg.threads);
+  if (load_at_start > 0.5)
+    std::fprintf(stderr,
+                 "%s note: load average %.2f before starting; other processes compete for the "
+                 "CPU and memory bandwidth, figures will be low and noisy\n",
+                 stage_prefix, load_at_start);
   std::printf(
       "workload: %s, num_qo_heads %lld, num_kv_heads %lld, head_dim %lld, rope_base %g, "
       "%s positions/slots below 2^%d, ~%.0f%% slots -1\n",
@@ -497,7 +505,10 @@ int run_bench(Args& args) {
     std::fflush(stdout);
     results.push_back(std::move(r));
   }
-  if (!cfg.json_path.empty()) write_json(cfg, copy, results, date);
+  const double load_at_end = load_average();
+  std::printf("\nload average (1 min, includes this run): %.2f at start, %.2f at end\n",
+              load_at_start, load_at_end);
+  if (!cfg.json_path.empty()) write_json(cfg, copy, results, date, load_at_start, load_at_end);
   if (!all_ok) {
     std::printf("\nVERIFICATION FAILED: see the rows marked FAILED above\n");
     return 1;

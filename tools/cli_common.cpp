@@ -238,6 +238,13 @@ std::string cpu_model() {
   return "unknown CPU";
 }
 
+double load_average() {
+  std::ifstream in("/proc/loadavg");
+  double one_minute = -1;
+  if (!(in >> one_minute)) return -1;
+  return one_minute;
+}
+
 size_t l3_cache_bytes() {
 #ifdef _SC_LEVEL3_CACHE_SIZE
   const long v = sysconf(_SC_LEVEL3_CACHE_SIZE);

@@ -111,6 +111,9 @@ inline char* row_ptr(const TensorView& x, int64_t row, int64_t head = 0) {
 
 /// The CPU model name (from /proc/cpuinfo), or "unknown CPU".
 std::string cpu_model();
+/// The 1-minute load average (from /proc/loadavg), negative when unknown. Other processes
+/// running during a benchmark show up here.
+double load_average();
 /// Last-level (L3) cache size in bytes, 0 when unknown.
 size_t l3_cache_bytes();
 
