@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""ropepool vs PyTorch eager on the CPU: the same work, back to back, in one process.
+
+PyTorch eager is what a model would do without the fused op: NeoX (half-split) rotation of q
+and k in float32 with cos/sin of float64 angles, cast back to the dtype, then
+``index_copy_`` of k_rot and v into the pools for the tokens with a non-negative slot.
+
+Workload (same as ``ropepool bench``): Llama-3-8B attention (num_qo_heads 32, num_kv_heads 8,
+head_dim 128, rope_base 500000), bfloat16, T in 1, 16, 256, 4096, 32768, a pool of
+max(65536, 4T) slots, distinct random slots with ~5% set to -1, random positions below 2^17,
+int32 positions/slots. Both sides run with the same thread count (torch.set_num_threads and
+ropepool.set_num_threads). Small T rotate among several input sets so caches do not
+flatter either side. Calls alternate between the two (ropepool, torch, torch, ropepool, ...)
+so drift in machine load hits both alike.
+
+Before timing, both results are compared: q_rot/k_rot within 2 units in the last place of
+the dtype (each side rounds once from float32, with different float32 sin/cos), every pool
+row the same on both sides (written rows as close as k_rot, v rows and untouched rows
+bit-identical), and ropepool's written k_pool rows bit-identical to its own k_rot.
+
+    .venv/bin/python bench/cpu_compare.py                 # default workload, all threads
+    .venv/bin/python bench/cpu_compare.py --threads 2 --tokens 256,4096 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+try:
+    import ropepool
+except ImportError as e:  # pragma: no cover - a set-up problem, not a benchmark result
+    sys.exit(
+        f"cpu_compare.py: cannot import ropepool ({e}); build it first: "
+        "`.venv/bin/pip install --no-build-isolation .`"
+    )
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=0,
+                   help="threads for both (default: ropepool's default, ROPEPOOL_NUM_THREADS or all hardware threads)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--tokens", default="1,16,256,4096,32768", help="comma-separated token counts")
+    p.add_argument("--seconds", type=float, default=2.0,
+                   help="timing budget per token count, both sides together (default 2)")
+    p.add_argument("--min-calls", type=int, default=5, help="at least this many timed calls per side (default 5)")
+    p.add_argument("--rotate-mib", type=int, default=256,
+                   help="input bytes to rotate among for small T (default 256)")
+    p.add_argument("--num-qo-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--rope-base", type=float, default=500000.0)
+    p.add_argument("--seed", type=int, default=20240601)
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    try:
+        args.tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        p.error(f"--tokens expects a comma-separated list of integers, got {args.tokens!r}")
+    if any(t < 0 for t in args.tokens):
+        p.error("--tokens must be >= 0")
+    if args.threads < 0 or args.head_dim <= 0 or args.head_dim % 2:
+        p.error("--threads must be >= 0 and --head-dim even and > 0")
+    return args
+
+
+# --- the two contenders -----------------------------------------------------------------
+
+def make_inv_freq(head_dim: int, rope_base: float) -> torch.Tensor:
+    """inv_freq[i] = rope_base ** (-2i / head_dim) in float64 (as ropepool's schedule)."""
+    i = torch.arange(head_dim // 2, dtype=torch.float64)
+    return rope_base ** (-2.0 * i / head_dim)
+
+
+def torch_eager(q, k, v, positions, slots, k_pool, v_pool, inv_freq64):
+    """The unfused PyTorch path a model would run: rotate in float32, cast, index_copy_."""
+    half = q.shape[-1] // 2
+    theta = positions.to(torch.float64)[:, None] * inv_freq64[None, :]  # [T, D/2], exact enough
+    cos = torch.cos(theta).to(torch.float32)
+    sin = torch.sin(theta).to(torch.float32)
+    cos = torch.cat((cos, cos), dim=-1)[:, None, :]  # [T, 1, D]
+    sin = torch.cat((sin, sin), dim=-1)[:, None, :]
+
+    def rotate(x):
+        xf = x.to(torch.float32)
+        rotated_half = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+        return (xf * cos + rotated_half * sin).to(x.dtype)
+
+    q_rot = rotate(q)
+    k_rot = rotate(k)
+    written = slots >= 0
+    rows = slots[written].to(torch.int64)
+    k_pool.index_copy_(0, rows, k_rot[written])
+    v_pool.index_copy_(0, rows, v[written])
+    return q_rot, k_rot, k_pool, v_pool
+
+
+def ropepool_call(q, k, v, positions, slots, k_pool, v_pool, shape):
+    return ropepool.rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, **shape)
+
+
+# --- workload --------------------------------------------------------------------------
+
+def make_set(T, args, dtype, pool_slots, gen):
+    Hq, Hk, D = args.num_qo_heads, args.num_kv_heads, args.head_dim
+
+    def uniform(*shape):
+        return (torch.rand(*shape, generator=gen, dtype=torch.float32) * 8 - 4).to(dtype)
+
+    positions = torch.randint(0, 1 << 17, (T,), generator=gen, dtype=torch.int32)
+    slots = torch.randperm(pool_slots, generator=gen)[:T].to(torch.int32)  # distinct
+    slots[torch.rand(T, generator=gen) < 0.05] = -1
+    return dict(q=uniform(T, Hq, D), k=uniform(T, Hk, D), v=uniform(T, Hk, D),
+                positions=positions, slots=slots)
+
+
+def ulp_close(a, b, dtype, scale):
+    """|a - b| <= 2 ulp(dtype) of max(|a|, |b|) + a float32-rounding allowance of scale."""
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    rel = 2.0 ** (1 - MANTISSA_BITS[dtype])
+    bound = rel * torch.maximum(a64.abs(), b64.abs()) + 2.0 ** -17 * scale
+    bad = ~((a64 - b64).abs() <= bound)
+    return int(bad.sum()), bad
+
+
+def check_agreement(s, r_out, t_out, k_pool0, v_pool0):
+    """Returns a list of problems (empty when both sides agree)."""
+    problems = []
+    dtype = s["q"].dtype
+    for name, a, b in (("q_rot", r_out[0], t_out[0]), ("k_rot", r_out[1], t_out[1])):
+        nbad, bad = ulp_close(a, b, dtype, scale=8.0)
+        if nbad:
+            idx = tuple(int(i) for i in bad.nonzero()[0])
+            problems.append(f"{name}: {nbad} of {a.numel()} elements differ by more than 2 ulp, "
+                            f"first at {idx}: ropepool {float(a[idx])} vs torch {float(b[idx])}")
+    slots = s["slots"].to(torch.int64)
+    written = slots >= 0
+    rows = slots[written]
+    r_kp, r_vp, t_kp, t_vp = r_out[2], r_out[3], t_out[2], t_out[3]
+    if not torch.equal(r_kp[rows], r_out[1][written]):
+        problems.append("ropepool k_pool rows are not bit-identical to its k_rot")
+    if not torch.equal(r_vp[rows], s["v"][written]) or not torch.equal(t_vp[rows], s["v"][written]):
+        problems.append("v_pool rows are not bit-identical to v")
+    untouched = torch.ones(r_kp.shape[0], dtype=torch.bool)
+    untouched[rows] = False
+    for name, pool, pool0 in (("ropepool k_pool", r_kp, k_pool0), ("ropepool v_pool", r_vp, v_pool0),
+                              ("torch k_pool", t_kp, k_pool0), ("torch v_pool", t_vp, v_pool0)):
+        if not torch.equal(pool[untouched], pool0[untouched]):
+            problems.append(f"{name}: rows that are no slot changed")
+    nbad, _ = ulp_close(r_kp[rows], t_kp[rows], dtype, scale=8.0)
+    if nbad:
+        problems.append(f"k_pool written rows: {nbad} elements differ by more than 2 ulp")
+    return problems
+
+
+def percentile(sorted_values, q):
+    return sorted_values[int(math.floor(q * (len(sorted_values) - 1)))]
+
+
+def summarize(samples):
+    v = sorted(samples)
+    return dict(median_us=statistics.median(v) * 1e6, p10_us=percentile(v, 0.1) * 1e6,
+                p90_us=percentile(v, 0.9) * 1e6, calls=len(v))
+
+
+def bytes_per_call(T, args, dtype):
+    es = torch.tensor([], dtype=dtype).element_size()
+    return T * args.head_dim * es * (2 * args.num_qo_heads + 5 * args.num_kv_heads) + T * 2 * 4
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def run_tokens(T, args, dtype, threads, log):
+    Hq, Hk, D = args.num_qo_heads, args.num_kv_heads, args.head_dim
+    shape = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk, rope_base=args.rope_base)
+    pool_slots = max(65536, 4 * T)
+    es = torch.tensor([], dtype=dtype).element_size()
+    set_bytes = max(1, T * D * es * (Hq + 2 * Hk))
+    n_sets = 1 if T == 0 else max(1, min(512, -(-args.rotate_mib * 2**20 // set_bytes)))
+    gen = torch.Generator().manual_seed(args.seed + T)
+    log(f"T={T}: {n_sets} input set(s), pool of {pool_slots} slots")
+    k_pool0 = (torch.rand(pool_slots, Hk, D, generator=gen) * 8 - 4).to(dtype)
+    v_pool0 = (torch.rand(pool_slots, Hk, D, generator=gen) * 8 - 4).to(dtype)
+    r_pools = (k_pool0.clone(), v_pool0.clone())
+    t_pools = (k_pool0.clone(), v_pool0.clone())
+    sets = [make_set(T, args, dtype, pool_slots, gen) for _ in range(n_sets)]
+    inv_freq64 = make_inv_freq(D, args.rope_base)
+
+    def run_ropepool(s):
+        return ropepool_call(s["q"], s["k"], s["v"], s["positions"], s["slots"], *r_pools, shape)
+
+    def run_torch(s):
+        return torch_eager(s["q"], s["k"], s["v"], s["positions"], s["slots"], *t_pools, inv_freq64)
+
+    # Agreement on the first set, before either side has touched the pools.
+    log(f"T={T}: checking that ropepool and torch eager agree")
+    problems = check_agreement(sets[0], run_ropepool(sets[0]), run_torch(sets[0]), k_pool0, v_pool0)
+    del k_pool0, v_pool0
+    if problems:
+        return dict(tokens=T, agree=False, problems=problems)
+
+    log(f"T={T}: timing")
+    for s in sets[:3]:  # warm-up
+        run_ropepool(s)
+        run_torch(s)
+    r_samples, t_samples = [], []
+    start = time.perf_counter()
+    i = 0
+    while len(r_samples) < args.min_calls or time.perf_counter() - start < args.seconds:
+        s = sets[i % n_sets]
+        order = (run_ropepool, run_torch) if i % 2 == 0 else (run_torch, run_ropepool)
+        for fn in order:
+            t0 = time.perf_counter()
+            fn(s)
+            (r_samples if fn is run_ropepool else t_samples).append(time.perf_counter() - t0)
+        i += 1
+        if len(r_samples) >= 200000:
+            break
+    r, t = summarize(r_samples), summarize(t_samples)
+    nbytes = bytes_per_call(T, args, dtype)
+    return dict(tokens=T, pool_slots=pool_slots, input_sets=n_sets, agree=True, bytes_per_call=nbytes,
+                ropepool=dict(r, gbps=nbytes / (r["median_us"] * 1e-6) * 1e-9 if r["median_us"] else 0.0),
+                torch_eager=dict(t, gbps=nbytes / (t["median_us"] * 1e-6) * 1e-9 if t["median_us"] else 0.0),
+                speedup=t["median_us"] / r["median_us"] if r["median_us"] else float("nan"))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    dtype = DTYPES[args.dtype]
+    if args.threads:
+        ropepool.set_num_threads(args.threads)
+    threads = ropepool.get_num_threads()
+    torch.set_num_threads(threads)
+
+    def log(msg):
+        print(f"[cpu_compare] {msg}", file=sys.stderr, flush=True)
+
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    print(f"ropepool {ropepool.__version__} vs PyTorch {torch.__version__} eager, CPU, {date}")
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} hardware threads; threads: ropepool {threads}, "
+          f"torch {torch.get_num_threads()}")
+    print(f"workload: {args.dtype}, num_qo_heads {args.num_qo_heads}, num_kv_heads {args.num_kv_heads}, "
+          f"head_dim {args.head_dim}, rope_base {args.rope_base:g}, int32 positions below 2^17 and slots, "
+          f"~5% slots -1\n", flush=True)
+    header = (f"{'tokens':>7} {'sets':>5} {'calls':>7}  {'ropepool_us':>12} {'(p10-p90)':>19}  "
+              f"{'torch_us':>12} {'(p10-p90)':>21}  {'rp GB/s':>8} {'pt GB/s':>8}  {'speedup':>8}")
+    print(header, flush=True)
+
+    results = []
+    ok = True
+    for T in args.tokens:
+        res = run_tokens(T, args, dtype, threads, log)
+        results.append(res)
+        if not res["agree"]:
+            ok = False
+            print(f"{T:>7}  DISAGREE:")
+            for p in res["problems"]:
+                print(f"         {p}")
+            continue
+        r, t = res["ropepool"], res["torch_eager"]
+        print(f"{T:>7} {res['input_sets']:>5} {r['calls']:>7}  {r['median_us']:>12.2f} "
+              f"({r['p10_us']:>8.2f}-{r['p90_us']:>8.2f})  {t['median_us']:>12.2f} "
+              f"({t['p10_us']:>9.2f}-{t['p90_us']:>9.2f})  {r['gbps']:>8.2f} {t['gbps']:>8.2f}  "
+              f"{res['speedup']:>7.2f}x", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(date=date, cpu=cpu_model(), threads=threads, dtype=args.dtype,
+                           ropepool_version=ropepool.__version__, torch_version=torch.__version__,
+                           num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads,
+                           head_dim=args.head_dim, rope_base=args.rope_base, results=results), f, indent=2)
+    if not ok:
+        print("\nropepool and torch eager DISAGREE: see above")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
