@@ -82,58 +82,22 @@ struct Checker {
   }
 
   // The checks SPEC §2 lists after the contract ones, in its order.
-  void extended() const {
+  void extended(RopeSchedule& schedule) const {
     for (auto [a, v] : {std::pair{Arg::positions, &t.positions}, {Arg::slots, &t.slots}})
       if (v->dtype != DType::Int32 && v->dtype != DType::Int64)
         fail(std::string("rope_pool_fused: ") + arg_name(a) + " must be int32 or int64, got " +
              dtype_name(v->dtype));
-    if (p.head_dim <= 0 || p.head_dim % 2 != 0)
-      fail("rope_pool_fused: head_dim must be even and > 0, got " +
-           std::to_string(p.head_dim));
+    // head_dim, rope_base and the SPEC §4 schedule arguments, in that order
+    schedule = p.schedule ? use_precomputed_schedule(p, *p.schedule) : make_rope_schedule(p);
     if (p.num_qo_heads <= 0 || p.num_kv_heads <= 0)
       fail("rope_pool_fused: num_qo_heads and num_kv_heads must be > 0, got " +
            std::to_string(p.num_qo_heads) + " and " + std::to_string(p.num_kv_heads));
-    if (!(p.rope_base > 0) || !std::isfinite(p.rope_base))
-      fail("rope_pool_fused: rope_base must be finite and > 0, got " +
-           std::to_string(p.rope_base));
-    rope_variant();
     if (!is_float(t.q.dtype))
       fail(std::string("rope_pool_fused: unsupported dtype ") + dtype_name(t.q.dtype) +
            " for q/k/v/pools; expected float32, float16 or bfloat16");
     devices();
     outputs();
     layouts();
-  }
-
-  // SPEC §4 keyword arguments (rotary_dim, inv_freq); rope_scaling values are checked
-  // where the schedule is made (make_rope_schedule), also before anything is written.
-  void rope_variant() const {
-    if (p.rotary_dim != 0 && (p.rotary_dim < 0 || p.rotary_dim % 2 != 0 || p.rotary_dim > p.head_dim))
-      fail("rope_pool_fused: rotary_dim must be even and in (0, head_dim = " +
-           std::to_string(p.head_dim) + "], got " + std::to_string(p.rotary_dim));
-    const TensorView& f = p.inv_freq;
-    if (!f.data) return;
-    const int64_t half = (p.rotary_dim ? p.rotary_dim : p.head_dim) / 2;
-    if (f.ndim != 1 || f.shape[0] != half || f.dtype != DType::Float32)
-      fail("rope_pool_fused: inv_freq must be a 1-D float32 tensor of rotary_dim/2 = " +
-           std::to_string(half) + " entries, got " + dtype_name(f.dtype) + " " + format_shape(f));
-    if (f.device.type != DeviceType::CPU)
-      fail("rope_pool_fused: inv_freq must be in host (CPU) memory, got " + device_name(f.device),
-           "the schedule is read on the host once per call; keep a CPU copy (inv_freq.cpu()) "
-           "made at model load, so no call synchronises the device");
-  }
-
-  RopeSchedule precomputed(const RopeSchedule& s) const {
-    const int64_t R = p.rotary_dim ? p.rotary_dim : p.head_dim;
-    if (s.rotary_dim != R || int64_t(s.inv_freq.size()) != R / 2)
-      fail("rope_pool_fused: the precomputed schedule is for rotary_dim " +
-           std::to_string(s.rotary_dim) + " with " + std::to_string(s.inv_freq.size()) +
-           " frequencies, but this call rotates " + std::to_string(R) + " elements");
-    for (double f : s.inv_freq)
-      if (!std::isfinite(f)) fail("rope_pool_fused: the precomputed schedule has a non-finite inv_freq");
-    if (!std::isfinite(s.attention_scaling))
-      fail("rope_pool_fused: the precomputed schedule has a non-finite attention_scaling");
-    return s;
   }
 
   void devices() const {
@@ -257,10 +221,9 @@ struct Checked {
 
 Checked check(const RopePoolTensors& t, const RopePoolParams& p, const CallOptions& o) {
   Checker c{t, p, o};
-  c.contract();
-  c.extended();
   Checked out;
-  out.schedule = p.schedule ? c.precomputed(*p.schedule) : make_rope_schedule(p);
+  c.contract();
+  c.extended(out.schedule);
   detail::RopePoolProblem& problem = out.problem;
   problem.dtype = t.q.dtype;
   problem.num_tokens = t.q.shape[0];

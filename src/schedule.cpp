@@ -145,7 +145,50 @@ void longrope(const RopeScaling& s, double base, int64_t R, RopeSchedule& out) {
   }
 }
 
+// head_dim, rope_base, rotary_dim and the inv_freq view: the order SPEC §2 lists
+// (head_dim, then rope_base) followed by the §4 arguments.
+int64_t check_rope_params(const RopePoolParams& p) {
+  if (p.head_dim <= 0 || p.head_dim % 2 != 0)
+    fail("head_dim must be even and > 0, got " + std::to_string(p.head_dim));
+  if (!(p.rope_base > 0) || !std::isfinite(p.rope_base))
+    fail("rope_base must be finite and > 0, got " + std::to_string(p.rope_base));
+  if (p.rotary_dim != 0 && (p.rotary_dim < 0 || p.rotary_dim % 2 != 0 || p.rotary_dim > p.head_dim))
+    fail("rotary_dim must be even and in (0, head_dim = " + std::to_string(p.head_dim) +
+         "], got " + std::to_string(p.rotary_dim));
+  const int64_t R = p.rotary_dim ? p.rotary_dim : p.head_dim;
+  const TensorView& f = p.inv_freq;
+  if (f.data) {
+    if (f.ndim != 1 || f.shape[0] != R / 2 || f.dtype != DType::Float32)
+      fail("inv_freq must be a 1-D float32 tensor of rotary_dim/2 = " + std::to_string(R / 2) +
+           " entries, got " + dtype_name(f.dtype) + " " + format_shape(f));
+    if (f.device.type != DeviceType::CPU)
+      fail("inv_freq must be in host (CPU) memory, got " + device_name(f.device),
+           "the schedule is read on the host once per call; keep a CPU copy (inv_freq.cpu()) "
+           "made at model load, so no call synchronises the device");
+  }
+  return R;
+}
+
+void check_finite(const RopeSchedule& s) {
+  for (size_t i = 0; i < s.inv_freq.size(); ++i)
+    if (!std::isfinite(s.inv_freq[i]))
+      fail("the RoPE schedule gives a non-finite inv_freq[" + std::to_string(i) + "]",
+           "check rope_base and the rope_scaling values");
+  if (!std::isfinite(s.attention_scaling))
+    fail("attention_scaling must be finite, got " + num(s.attention_scaling));
+}
+
 }  // namespace
+
+RopeSchedule use_precomputed_schedule(const RopePoolParams& params, const RopeSchedule& schedule) {
+  const int64_t R = check_rope_params(params);
+  if (schedule.rotary_dim != R || int64_t(schedule.inv_freq.size()) != R / 2)
+    fail("the precomputed schedule is for rotary_dim " + std::to_string(schedule.rotary_dim) +
+         " with " + std::to_string(schedule.inv_freq.size()) +
+         " frequencies, but this call rotates " + std::to_string(R) + " elements");
+  check_finite(schedule);
+  return schedule;
+}
 
 const char* rope_type_name(RopeType type) {
   switch (type) {
@@ -161,7 +204,7 @@ const char* rope_type_name(RopeType type) {
 
 RopeSchedule make_rope_schedule(const RopePoolParams& params) {
   RopeSchedule out;
-  const int64_t R = params.rotary_dim ? params.rotary_dim : params.head_dim;
+  const int64_t R = check_rope_params(params);
   out.rotary_dim = R;
   const double base = params.rope_base;
   const RopeScaling& s = params.rope_scaling;
@@ -200,12 +243,7 @@ RopeSchedule make_rope_schedule(const RopePoolParams& params) {
     }
   }
   if (params.attention_scaling) out.attention_scaling = *params.attention_scaling;
-  for (size_t i = 0; i < out.inv_freq.size(); ++i)
-    if (!std::isfinite(out.inv_freq[i]))
-      fail("the RoPE schedule gives a non-finite inv_freq[" + std::to_string(i) + "]",
-           "check rope_base and the rope_scaling values");
-  if (!std::isfinite(out.attention_scaling))
-    fail("attention_scaling must be finite, got " + num(out.attention_scaling));
+  check_finite(out);
   return out;
 }
 

@@ -14,7 +14,14 @@ struct RopeSchedule {
   double attention_scaling = 1.0; ///< multiplies cos and sin (mscale)
 };
 
-/// inv_freq[i] = rope_base ** (-2i / R), computed in double. Expects validated params.
+/// The schedule of `params`: head_dim, rope_base, rotary_dim, rope_scaling, inv_freq and
+/// attention_scaling (default: inv_freq[i] = rope_base ** (-2i / R), in double). Checks
+/// them first and throws ropepool::Error, so it can be made once, e.g. at model load, and
+/// passed as RopePoolParams::schedule.
 RopeSchedule make_rope_schedule(const RopePoolParams& params);
+
+/// Checks a schedule passed as RopePoolParams::schedule against the call (head_dim, its
+/// rotary_dim, finite values) and returns a copy of it.
+RopeSchedule use_precomputed_schedule(const RopePoolParams& params, const RopeSchedule& schedule);
 
 }  // namespace ropepool

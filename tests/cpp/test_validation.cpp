@@ -126,6 +126,11 @@ const std::vector<Mutation>& mutations() {
          return "rope_pool_fused: head_dim must be even and > 0, got " + std::to_string(c.params.head_dim);
        },
        "rope_pool_fused: head_dim must be even and > 0, got 127", false},
+      {"rope_base", [](Case& c) { c.params.rope_base = 0; },
+       [](const Case& c) {
+         return "rope_pool_fused: rope_base must be finite and > 0, got " + std::to_string(c.params.rope_base);
+       },
+       "rope_pool_fused: rope_base must be finite and > 0, got 0.000000", false},
       {"no_qo_heads",
        [](Case& c) {
          const int64_t Hq = c.params.num_qo_heads;
@@ -138,11 +143,6 @@ const std::vector<Mutation>& mutations() {
                 std::to_string(c.params.num_qo_heads) + " and " + std::to_string(c.params.num_kv_heads);
        },
        "rope_pool_fused: num_qo_heads and num_kv_heads must be > 0, got 0 and 2", false},
-      {"rope_base", [](Case& c) { c.params.rope_base = 0; },
-       [](const Case& c) {
-         return "rope_pool_fused: rope_base must be finite and > 0, got " + std::to_string(c.params.rope_base);
-       },
-       "rope_pool_fused: rope_base must be finite and > 0, got 0.000000", false},
       {"int_dtype",
        [](Case& c) {
          for (TensorView* v : float_tensors(c.tensors))
