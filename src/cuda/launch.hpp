@@ -9,18 +9,13 @@
 
 namespace ropepool::detail::cuda_launch {
 
-enum class Kernel : uint8_t { Auto, Tile, Stream };
-
-/// How one call is cut into CTAs. Every field 0 / Auto means "let the heuristic choose".
+/// How one call is cut into CTAs. Every field 0 means "let the heuristic choose".
 struct LaunchConfig {
-  Kernel kernel = Kernel::Auto;  ///< tile (decode, latency) or stream (prefill, bandwidth)
-  int warps_per_cta = 0;         ///< tile kernel: 1..8
-  int tokens_per_cta = 0;        ///< tile kernel: tokens whose sin/cos table one CTA builds
-  int ctas_per_tile = 0;         ///< tile kernel: CTAs sharing one tile's items (spread a token)
-  int ctas_per_sm = 0;           ///< stream kernel: resident CTAs per SM (0: as many as fit)
+  int warps_per_cta = 0;   ///< 1..8
+  int tokens_per_cta = 0;  ///< tokens whose sin/cos table one CTA builds
+  int ctas_per_tile = 0;   ///< CTAs sharing one tile's items (spread a token over SMs)
   /// Programmatic dependent launch: 1 on, -1 off, 0 heuristic (on for decode-sized calls).
   int pdl = 0;
-  bool reg_cap = false;  ///< tile kernel capped at 64 registers [tuning experiment]
   /// Keep duplicate slots from mixing rows (SPEC §3): shared-memory scan or per-slot lock.
   /// Only the tuning driver turns it off, to measure what it costs.
   bool dedupe_rows = true;
@@ -34,9 +29,9 @@ enum class Path : uint8_t { Tuned, Vector, Scalar };
 struct LaunchPlan {
   Path path = Path::Scalar;
   int vec_elems = 1;  ///< elements per access
-  LaunchConfig config;  ///< the chosen shape (kernel is Tile or Stream)
+  LaunchConfig config;      ///< the chosen shape
   int pool_write_mode = 0;  ///< cuda::PoolWriteMode
-  int64_t grid = 0;   ///< stream kernel: before the cap at resident CTAs
+  int64_t grid = 0;
   int threads = 0;
   size_t shared_bytes = 0;
 };

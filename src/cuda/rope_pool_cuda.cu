@@ -27,15 +27,12 @@ namespace {
 
 using cuda::KernelParams;
 using cuda::SlotErrorRecord;
-using cuda_launch::Kernel;
 using cuda_launch::LaunchConfig;
 using cuda_launch::LaunchPlan;
 using cuda_launch::Path;
 
 constexpr int kMaxDevices = 64;
-/// From this many tokens on, the persistent stream kernel (bandwidth) replaces the tile
-/// kernel (latency). Measured on H200, Llama-3-8B shape: docs/CUDA.md.
-constexpr int64_t kStreamMinTokens = 1024;
+/// Calls up to this many tokens use programmatic dependent launch (docs/CUDA.md).
 constexpr int64_t kPdlMaxTokens = 256;
 
 void check(cudaError_t status, const char* what) {
@@ -75,17 +72,6 @@ int device_of(const void* data) {
     throw BackendError("rope_pool_fused: CUDA device " + std::to_string(attr.device) +
                        " is beyond the " + std::to_string(kMaxDevices) + " this build supports");
   return attr.device;
-}
-
-int sm_count(int device) {
-  static std::atomic<int> cache[kMaxDevices] = {};
-  int n = cache[device].load(std::memory_order_relaxed);
-  if (n == 0) {
-    check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device),
-          "cudaDeviceGetAttribute");
-    cache[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
 }
 
 // ---- the slot error record (SPEC §3 without a device sync) ------------------------------
@@ -251,38 +237,30 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
                 "CUDA backend");
 
   LaunchConfig c = overrides;
-  if (c.kernel == Kernel::Auto)
-    c.kernel = T >= kStreamMinTokens ? Kernel::Stream : Kernel::Tile;
-  if (c.kernel == Kernel::Tile) {
-    // A CTA per token, one warp per item: the token's items run side by side (latency).
-    if (c.tokens_per_cta <= 0) c.tokens_per_cta = 1;
-    if (c.warps_per_cta <= 0)
-      c.warps_per_cta = int(std::min<double>(cuda::kMaxWarpsPerCta,
-                                             std::ceil(c.tokens_per_cta * items_per_token)));
-    if (c.ctas_per_tile <= 0) c.ctas_per_tile = 1;
-    c.warps_per_cta = std::clamp(c.warps_per_cta, 1, cuda::kMaxWarpsPerCta);
-    const int64_t max_tokens_by_smem = std::max<int64_t>(1, (32 * 1024) / (8 * std::max<int64_t>(half, 1)));
-    c.tokens_per_cta = int(std::clamp<int64_t>(c.tokens_per_cta, 1, std::min<int64_t>(max_tokens_by_smem, 64)));
-    plan.grid = (T + c.tokens_per_cta - 1) / c.tokens_per_cta * c.ctas_per_tile;
-    plan.threads = 32 * c.warps_per_cta;
-    plan.shared_bytes = size_t(2) * c.tokens_per_cta * size_t(half) * sizeof(float);
-    // Duplicate slots: none possible with one token; a shared-memory scan for small calls
-    // (no atomics, no fences, and the last token wins as on the CPU); locks otherwise.
-    plan.pool_write_mode = T == 1 || !c.dedupe_rows ? cuda::kPoolWriteDirect
-                           : T <= cuda::kMaxScanTokens ? cuda::kPoolWriteScan
-                                                       : cuda::kPoolWriteLock;
-    if (plan.pool_write_mode == cuda::kPoolWriteScan) plan.shared_bytes += size_t(T) * 8;
-  } else {
-    // Persistent: every warp walks whole tokens; the grid is capped at resident CTAs when
-    // the kernel is launched.
-    plan.grid = (T + cuda::kStreamWarps - 1) / cuda::kStreamWarps;
-    plan.threads = 32 * cuda::kStreamWarps;
-    plan.shared_bytes = size_t(cuda::kStreamWarps) * 2 * size_t(half) * sizeof(float);
-    plan.pool_write_mode = T == 1 || !c.dedupe_rows ? cuda::kPoolWriteDirect : cuda::kPoolWriteLock;
-  }
+  // A CTA per token, one warp per item: the token's items run side by side. Measured on
+  // H200 (Llama-3-8B shape) against 1-16 tokens per CTA, 1-8 warps and spreading a token
+  // over 1-4 CTAs, and against a persistent software-pipelined kernel: no shape was
+  // faster at any T by more than the run-to-run spread (docs/CUDA.md).
+  if (c.tokens_per_cta <= 0) c.tokens_per_cta = 1;
+  if (c.warps_per_cta <= 0)
+    c.warps_per_cta = int(std::min<double>(cuda::kMaxWarpsPerCta,
+                                           std::ceil(c.tokens_per_cta * items_per_token)));
+  if (c.ctas_per_tile <= 0) c.ctas_per_tile = 1;
+  c.warps_per_cta = std::clamp(c.warps_per_cta, 1, cuda::kMaxWarpsPerCta);
+  const int64_t max_tokens_by_smem = std::max<int64_t>(1, (32 * 1024) / (8 * std::max<int64_t>(half, 1)));
+  c.tokens_per_cta = int(std::clamp<int64_t>(c.tokens_per_cta, 1, std::min<int64_t>(max_tokens_by_smem, 64)));
+  plan.grid = (T + c.tokens_per_cta - 1) / c.tokens_per_cta * c.ctas_per_tile;
+  plan.threads = 32 * c.warps_per_cta;
+  plan.shared_bytes = size_t(2) * c.tokens_per_cta * size_t(half) * sizeof(float);
+  // Duplicate slots: none possible with one token; a shared-memory scan for small calls
+  // (no atomics, no fences, and the last token wins as on the CPU); locks otherwise.
+  plan.pool_write_mode = T == 1 || !c.dedupe_rows ? cuda::kPoolWriteDirect
+                         : T <= cuda::kMaxScanTokens ? cuda::kPoolWriteScan
+                                                     : cuda::kPoolWriteLock;
+  if (plan.pool_write_mode == cuda::kPoolWriteScan) plan.shared_bytes += size_t(T) * 8;
   // PDL lets a decode-sized launch start while the previous kernel drains (it waits for it
   // in-kernel before touching memory); a large grid would only sit on SM slots meanwhile.
-  if (c.pdl == 0) c.pdl = c.kernel == Kernel::Tile && T <= kPdlMaxTokens ? 1 : -1;
+  if (c.pdl == 0) c.pdl = T <= kPdlMaxTokens ? 1 : -1;
   if (plan.grid > 0x7fffffff)
     throw Error("rope_pool_fused: too many tokens for one CUDA launch, got " + std::to_string(T));
   plan.config = c;
@@ -321,82 +299,50 @@ KernelParams<kFreqCap> make_params(const RopePoolProblem& p, const LaunchPlan& p
   return k;
 }
 
-/// Resident CTAs per SM of the stream kernel (cached per instantiation and table size: the
-/// occupancy query is not free). Its shared memory is kStreamWarps * 8 * half bytes.
-template <auto kKernel>
-int resident_ctas_per_sm(int threads, size_t shared_bytes) {
-  static std::atomic<int> cache[cuda::kMaxHalfRotary + 1] = {};
-  std::atomic<int>& entry =
-      cache[std::min<size_t>(shared_bytes / (8 * cuda::kStreamWarps), cuda::kMaxHalfRotary)];
-  int n = entry.load(std::memory_order_relaxed);
-  if (n == 0) {
-    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, threads, shared_bytes),
-          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    n = std::max(n, 1);
-    entry.store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
-
 template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved = false>
-void launch(const RopePoolProblem& p, const LaunchPlan& plan, int device, SlotErrorRecord* record,
+void launch(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRecord* record,
             cudaStream_t stream) {
   const KernelParams<kFreqCap> params = make_params<kFreqCap>(p, plan, record);
-  if (plan.config.kernel == Kernel::Tile) {
-    cudaLaunchConfig_t launch{};
-    launch.gridDim = dim3(unsigned(plan.grid));
-    launch.blockDim = dim3(unsigned(plan.threads));
-    launch.dynamicSmemBytes = plan.shared_bytes;
-    launch.stream = stream;
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    if (plan.config.pdl > 0) {
-      launch.attrs = &attr;
-      launch.numAttrs = 1;
-    }
-    if (plan.config.reg_cap && kHeadDim == 128)
-      check(cudaLaunchKernelEx(&launch, cuda::rope_pool_tile_kernel<E, kVec, kHeadDim, kFreqCap, kInterleaved, 4>,
-                               params),
-            "cudaLaunchKernelEx (rope_pool_tile_kernel)");
-    else
-    check(cudaLaunchKernelEx(&launch, cuda::rope_pool_tile_kernel<E, kVec, kHeadDim, kFreqCap, kInterleaved>,
-                             params),
-          "cudaLaunchKernelEx (rope_pool_tile_kernel)");
-  } else {
-    constexpr auto kernel = cuda::rope_pool_stream_kernel<E, kVec, kHeadDim, kFreqCap, kInterleaved>;
-    const int per_sm = plan.config.ctas_per_sm > 0
-                           ? plan.config.ctas_per_sm
-                           : resident_ctas_per_sm<kernel>(plan.threads, plan.shared_bytes);
-    const int64_t grid = std::min<int64_t>(plan.grid, int64_t(per_sm) * sm_count(device));
-    kernel<<<unsigned(grid), unsigned(plan.threads), plan.shared_bytes, stream>>>(params);
+  cudaLaunchConfig_t launch{};
+  launch.gridDim = dim3(unsigned(plan.grid));
+  launch.blockDim = dim3(unsigned(plan.threads));
+  launch.dynamicSmemBytes = plan.shared_bytes;
+  launch.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  if (plan.config.pdl > 0) {
+    launch.attrs = &attr;
+    launch.numAttrs = 1;
   }
-  check(cudaGetLastError(), "rope_pool kernel launch");
+  check(cudaLaunchKernelEx(&launch, cuda::rope_pool_tile_kernel<E, kVec, kHeadDim, kFreqCap, kInterleaved>,
+                           params),
+        "cudaLaunchKernelEx (rope_pool_tile_kernel)");
 }
 
 template <class E>
-void launch_dtype(const RopePoolProblem& p, const LaunchPlan& plan, int device,
-                  SlotErrorRecord* record, cudaStream_t stream) {
+void launch_dtype(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRecord* record,
+                  cudaStream_t stream) {
   constexpr int kVec = 16 / E::kBytes;
   constexpr int kCap = cuda::kMaxHalfRotary;
   switch (plan.path) {
     case Path::Tuned:
       switch (p.head_dim) {
-        case 64: return launch<E, kVec, 64, 32>(p, plan, device, record, stream);
-        case 96: return launch<E, kVec, 96, 48>(p, plan, device, record, stream);
-        case 128: return launch<E, kVec, 128, 64>(p, plan, device, record, stream);
-        case 256: return launch<E, kVec, 256, 128>(p, plan, device, record, stream);
+        case 64: return launch<E, kVec, 64, 32>(p, plan, record, stream);
+        case 96: return launch<E, kVec, 96, 48>(p, plan, record, stream);
+        case 128: return launch<E, kVec, 128, 64>(p, plan, record, stream);
+        case 256: return launch<E, kVec, 256, 128>(p, plan, record, stream);
         default: break;
       }
       throw BackendError("rope_pool_fused: no tuned CUDA kernel for head_dim " +
                          std::to_string(p.head_dim) + " (tuned: 64, 96, 128, 256)");
     // GPT-J pairs are rare enough to take only the runtime-head_dim kernels.
     case Path::Vector:
-      return p.interleaved ? launch<E, kVec, 0, kCap, true>(p, plan, device, record, stream)
-                           : launch<E, kVec, 0, kCap>(p, plan, device, record, stream);
+      return p.interleaved ? launch<E, kVec, 0, kCap, true>(p, plan, record, stream)
+                           : launch<E, kVec, 0, kCap>(p, plan, record, stream);
     case Path::Scalar:
-      return p.interleaved ? launch<E, 1, 0, kCap, true>(p, plan, device, record, stream)
-                           : launch<E, 1, 0, kCap>(p, plan, device, record, stream);
+      return p.interleaved ? launch<E, 1, 0, kCap, true>(p, plan, record, stream)
+                           : launch<E, 1, 0, kCap>(p, plan, record, stream);
   }
 }
 
@@ -409,9 +355,9 @@ void run(const RopePoolProblem& p, const LaunchConfig& overrides) {
   if (p.check_slots) check_slots_on_host(p, stream);
   SlotErrorRecord* record = error_record_for_device(device);
   switch (p.dtype) {
-    case DType::Float32: return launch_dtype<cuda::F32>(p, plan, device, record, stream);
-    case DType::Float16: return launch_dtype<cuda::F16>(p, plan, device, record, stream);
-    case DType::BFloat16: return launch_dtype<cuda::BF16>(p, plan, device, record, stream);
+    case DType::Float32: return launch_dtype<cuda::F32>(p, plan, record, stream);
+    case DType::Float16: return launch_dtype<cuda::F16>(p, plan, record, stream);
+    case DType::BFloat16: return launch_dtype<cuda::BF16>(p, plan, record, stream);
     default: throw BackendError("rope_pool_fused: unsupported dtype reached the CUDA backend");
   }
 }

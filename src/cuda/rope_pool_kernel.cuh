@@ -1,4 +1,4 @@
-// The rope_pool_fused CUDA kernels: one launch rotates q and k, writes q_out/k_out and
+// The rope_pool_fused CUDA kernel: one launch rotates q and k, writes q_out/k_out and
 // writes rotated k and raw v into the pool rows named by `slots`.
 //
 // Units and items (docs/CUDA.md has the full story):
@@ -11,13 +11,9 @@
 //  - sin/cos of (token, frequency) are computed once into shared memory and shared by every
 //    q and k head of the token.
 //
-// Two launch shapes:
-//  - rope_pool_tile_kernel (decode, small T: latency): a CTA owns a few tokens, its warps
-//    split their items; each warp issues its first item's loads before the sin/cos table is
-//    built, so memory latency overlaps the math.
-//  - rope_pool_stream_kernel (prefill, large T: bandwidth): a persistent grid; each warp
-//    owns whole tokens and walks their items software-pipelined (the next item's loads are
-//    in flight while the current one is rotated and stored).
+// Launch shape (docs/CUDA.md): a CTA owns `tokens_per_cta` tokens (one by default) and its
+// warps split the tile's items, one warp per item; each warp issues its first item's loads
+// before the sin/cos table is built, so memory latency overlaps the angle math.
 #pragma once
 
 #include <cstdint>
@@ -71,7 +67,7 @@ struct KernelParams {
   int64_t num_tokens;
   int64_t pool_size;
   int num_qo_heads, num_kv_heads, head_dim, rotary_dim;  // rotary_dim: even, <= head_dim
-  int tokens_per_cta, ctas_per_tile;  // tile kernel
+  int tokens_per_cta, ctas_per_tile;
   int pool_write_mode;                // PoolWriteMode
   float attention_scaling;
   bool positions_int64, slots_int64;
@@ -135,21 +131,6 @@ __device__ __forceinline__ void lock_row(unsigned int* lock, int lane) {
   }
   __syncwarp();
 }
-/// lock_row in two halves: `try_lock_row` issues the CAS (lane 0) without waiting for it, so
-/// its round trip overlaps other work; `finish_lock_row` waits for it and retries if taken.
-/// Between the two the warp must not wait for any other lock.
-__device__ __forceinline__ unsigned int try_lock_row(unsigned int* lock, int lane) {
-  return lane == 0 ? atomicCAS(lock, 0u, 1u) : 0u;
-}
-__device__ __forceinline__ void finish_lock_row(unsigned int* lock, unsigned int first_try, int lane) {
-  if (lane == 0) {
-    if (first_try != 0u)
-      while (atomicCAS(lock, 0u, 1u) != 0u) __nanosleep(32);
-    __threadfence();
-  }
-  __syncwarp();
-}
-
 /// Programmatic dependent launch (sm_90): with the launch attribute set, this grid may
 /// start while the previous kernel on the stream finishes; it must wait for that kernel
 /// (and its memory) before touching global memory. Without the attribute both are no-ops.
@@ -169,8 +150,8 @@ __device__ __forceinline__ void unlock_row(unsigned int* lock, int lane) {
   if (lane == 0) atomicExch(lock, 0u);
 }
 
-/// Geometry of a head and the unit operations, shared by both kernels. Compile-time
-/// geometry on the tuned paths (kHeadDim != 0).
+/// Geometry of a head and the unit operations. Compile-time geometry on the tuned paths
+/// (kHeadDim != 0).
 template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved>
 struct HeadOps {
   using IO = VecIO<E, kVec>;
@@ -366,19 +347,15 @@ struct HeadOps {
     return slot >= 0 && slot < p.pool_size;
   }
 
-  /// sin/cos of one token into a table row (entries lane, lane + stride, ...).
-  __device__ __forceinline__ void build_row(int64_t pos, float* cos_row, float* sin_row, int first,
-                                            int stride) const {
-    for (int i = first; i < half; i += stride)
-      angle_sincos(pos, p.inv_freq[i], p.attention_scaling, &cos_row[i], &sin_row[i]);
-  }
 };
 
-// ---- decode: tile kernel ------------------------------------------------------------------
+// ---- the kernel -------------------------------------------------------------------------------
 
-// kMinCtas 4: at most 64 registers (32 resident warps per SM) [tuning experiment].
-template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kMinCtas = 1>
-__global__ void __launch_bounds__(kMaxWarpsPerCta * 32, kMinCtas)
+// At most 64 registers (launch bounds 256 x 4): 32 resident warps per SM instead of 25 at
+// the unconstrained 74-80, i.e. more loads in flight; measured 2-6% faster from T = 1024 up
+// (docs/CUDA.md), at the price of a few bytes of spills.
+template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved>
+__global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
     rope_pool_tile_kernel(const __grid_constant__ KernelParams<kFreqCap> p) {
   using Ops = HeadOps<E, kVec, kHeadDim, kFreqCap, kInterleaved>;
   using Raw = typename Ops::Raw;
@@ -423,17 +400,6 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, kMinCtas)
   if (scan)
     for (int u = threadIdx.x; u < p.num_tokens; u += blockDim.x)
       scan_slots[u] = load_index(p.slots, p.slots_stride, p.slots_int64, u);
-  // Lock mode: the first item's CAS goes out before the barrier and is waited for after it
-  // (issued here, not earlier: it needs the slot, and waiting for it must not hold back the
-  // position loads above). No warp waits for a lock before the barrier, so a lock held
-  // across it is always released.
-  const bool lock_mode = p.pool_write_mode == kPoolWriteLock;
-  unsigned int* first_lock = nullptr;
-  unsigned int first_try = 0;
-  if (lock_mode && item < tokens && slot >= 0 && slot < p.pool_size) {
-    first_lock = slot_lock(slot);
-    first_try = try_lock_row(first_lock, ops.lane);
-  }
   __syncthreads();
   allow_next_grid();
 
@@ -449,15 +415,13 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, kMinCtas)
         for (int64_t u = t + 1 + ops.lane; u < p.num_tokens; u += 32) later |= scan_slots[u] == slot;
         to_pool = !__any_sync(0xffffffffu, later);
       }
+      // Lock mode: taken after the loads are in flight, after the barrier (no warp holds a
+      // lock across it), released after the row's last store.
       unsigned int* lock = nullptr;
-      if (prefetched && first_lock != nullptr) {
-        lock = first_lock;
-        finish_lock_row(lock, first_try, ops.lane);
-      }
       const int rounds = ops.kv_rounds();
       for (int r = 0; r < rounds; ++r) {
         if (!(prefetched && r == 0)) ops.load_kv(t, r, stage);
-        if (to_pool && lock_mode && lock == nullptr) {
+        if (to_pool && p.pool_write_mode == kPoolWriteLock && lock == nullptr) {
           lock = slot_lock(slot);
           lock_row(lock, ops.lane);  // after the loads are in flight
         }
@@ -468,95 +432,6 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, kMinCtas)
       if (!prefetched) ops.load_q(t0, tokens, item - tokens, stage);
       ops.finish_q(t0, tokens, item - tokens, cos_tab, sin_tab, stage);
     }
-  }
-}
-
-// ---- prefill: persistent, software-pipelined stream kernel ----------------------------------
-
-constexpr int kStreamWarps = 4;
-
-template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved>
-__global__ void __launch_bounds__(kStreamWarps * 32)
-    rope_pool_stream_kernel(const __grid_constant__ KernelParams<kFreqCap> p) {
-  using Ops = HeadOps<E, kVec, kHeadDim, kFreqCap, kInterleaved>;
-  using Raw = typename Ops::Raw;
-  extern __shared__ float4 shared[];
-  const Ops ops(p);
-  const int warp = threadIdx.x >> 5, lane = ops.lane, half = ops.half;
-  // One table row per warp: the token it is working on.
-  float* cos_row = reinterpret_cast<float*>(shared) + warp * 2 * half;
-  float* sin_row = cos_row + half;
-
-  // This warp's tokens: first, first + stride, ...; per token `rounds` kv items then the q
-  // chunks.
-  const int64_t stride = int64_t(gridDim.x) * kStreamWarps;
-  int64_t t = int64_t(blockIdx.x) * kStreamWarps + warp;
-  if (t >= p.num_tokens) return;
-  wait_for_previous_grid();
-  const int rounds = ops.kv_rounds();
-  const int items = rounds + ops.q_chunks(1);
-  const bool lock_rows = p.pool_write_mode == kPoolWriteLock;
-
-  auto load_item = [&](int64_t token, int item, Raw(&stage)[kStage]) {
-    if (item < rounds) ops.load_kv(token, item, stage);
-    else ops.load_q(token, 1, item - rounds, stage);
-  };
-
-  Raw cur[kStage], next[kStage];
-  int item = 0;
-  int64_t slot = load_index(p.slots, p.slots_stride, p.slots_int64, t);
-  load_item(t, 0, cur);
-  ops.build_row(load_index(p.positions, p.positions_stride, p.positions_int64, t), cos_row, sin_row,
-                lane, 32);
-  __syncwarp();
-  bool to_pool = false;
-  unsigned int* lock = nullptr;
-
-  for (;;) {
-    // Issue the next item's loads (and, for a new token, its position and slot) first.
-    int64_t t_next = t;
-    int item_next = item + 1;
-    if (item_next == items) t_next += stride, item_next = 0;
-    const bool has_next = t_next < p.num_tokens;
-    int64_t pos_next = 0, slot_next = -1;
-    if (has_next) {
-      load_item(t_next, item_next, next);
-      if (item_next == 0) {
-        pos_next = load_index(p.positions, p.positions_stride, p.positions_int64, t_next);
-        slot_next = load_index(p.slots, p.slots_stride, p.slots_int64, t_next);
-      }
-    }
-
-    // Then finish the current one, its data arrived while the previous item was stored.
-    if (item < rounds) {
-      if (item == 0) {
-        to_pool = ops.pool_row_valid(t, slot);
-        if (to_pool && lock_rows) {
-          lock = slot_lock(slot);
-          lock_row(lock, lane);
-        }
-      }
-      ops.finish_kv(t, cos_row, sin_row, item, slot, to_pool, cur);
-      if (item == rounds - 1 && lock != nullptr) {
-        // The fence waits for this row's stores, while the next item's loads are in flight.
-        unlock_row(lock, lane);
-        lock = nullptr;
-      }
-    } else {
-      ops.finish_q(t, 1, item - rounds, cos_row, sin_row, cur);
-    }
-    if (!has_next) break;
-
-    if (item_next == 0) {
-      __syncwarp();  // every lane is done reading the old token's row
-      ops.build_row(pos_next, cos_row, sin_row, lane, 32);
-      __syncwarp();
-      slot = slot_next;
-    }
-#pragma unroll
-    for (int i = 0; i < kStage; ++i) cur[i] = next[i];
-    t = t_next;
-    item = item_next;
   }
 }
 

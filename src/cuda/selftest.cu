@@ -325,8 +325,12 @@ bool check_outputs(Problem& pr, const std::string& what, bool expect_written = t
   return bad == 0;
 }
 
-using detail::cuda_launch::Kernel;
 using detail::cuda_launch::LaunchConfig;
+
+/// Launch shapes the tests force besides the default: several tokens per CTA with fewer
+/// warps than items (warps loop over items, kv items not prefetched), and one token's items
+/// spread over two one-warp CTAs.
+enum class Kernel { Auto, MultiToken, Split };
 
 /// The backend problem the public API would build (src/rope_pool.cpp), so a test can force
 /// a kernel. `schedule` keeps inv_freq alive.
@@ -349,7 +353,7 @@ detail::RopePoolProblem backend_problem(const RopePoolTensors& t, const RopePool
 }
 
 const char* kernel_name(Kernel k) {
-  return k == Kernel::Tile ? "tile" : k == Kernel::Stream ? "stream" : "auto";
+  return k == Kernel::MultiToken ? "3 tokens/CTA, 2 warps" : k == Kernel::Split ? "split over 2 CTAs" : "default";
 }
 
 /// Runs the op through the public API (Kernel::Auto) or with a forced kernel.
@@ -362,7 +366,8 @@ void call(Problem& pr, Kernel kernel, const CallOptions& o = {}) {
   detail::RopePoolProblem p = backend_problem(pr.dev, pr.params, schedule);
   p.check_slots = o.check_slots, p.stream = o.stream;
   LaunchConfig cfg;
-  cfg.kernel = kernel;
+  if (kernel == Kernel::MultiToken) cfg.tokens_per_cta = 3, cfg.warps_per_cta = 2;
+  if (kernel == Kernel::Split) cfg.ctas_per_tile = 2, cfg.warps_per_cta = 1;
   detail::cuda_launch::rope_pool_cuda_with(p, cfg);
 }
 
@@ -429,8 +434,8 @@ void test_grid(bool quick, std::mt19937_64& rng) {
       }
   }
   for (const Case& c : cases)
-    for (Kernel k : {Kernel::Auto, Kernel::Tile, Kernel::Stream}) run_case(c, k, rng);
-  std::printf("grid: %zu cases x 3 kernels\n", cases.size());
+    for (Kernel k : {Kernel::Auto, Kernel::MultiToken, Kernel::Split}) run_case(c, k, rng);
+  std::printf("grid: %zu cases x 3 launch shapes\n", cases.size());
 }
 
 void test_slot_errors(std::mt19937_64& rng) {
@@ -506,7 +511,7 @@ void test_slot_errors(std::mt19937_64& rng) {
     CUDA_OK(cudaDeviceSynchronize());
     check_outputs(ok, "check_slots with valid slots");
   }
-  // 4. Out-of-range slot in the stream kernel (large T).
+  // 4. Out-of-range slot in lock mode (large T).
   {
     Case big = c;
     big.T = 3000, big.pool = 6001;
@@ -517,15 +522,15 @@ void test_slot_errors(std::mt19937_64& rng) {
     rope_pool_fused(pr.dev, pr.params);
     std::string m = catch_message<BackendError>([] { cuda_check_slot_errors(); });
     expect(m.find("slots[2500] = 6001 out of range for a pool of 6001 slots") != std::string::npos,
-           "stream kernel: bad slot reported: " + m);
-    check_outputs(pr, "stream kernel: bad slot skipped");
+           "lock mode: bad slot reported: " + m);
+    check_outputs(pr, "lock mode: bad slot skipped");
   }
   // 5. Duplicates without checking: whole rows only. Many tokens on few slots, through every
-  //    duplicate scheme: shared-memory scan (tile, T <= 256: the LAST token wins), per-slot
-  //    locks (tile with more tokens, stream).
+  //    duplicate scheme and launch shape: shared-memory scan (T <= 256: the LAST token
+  //    wins), per-slot locks (more tokens).
   for (DType dt : {DType::BFloat16, DType::Float32}) {
-    for (auto [T, kernel] : {std::pair{int64_t(200), Kernel::Auto}, {int64_t(600), Kernel::Tile},
-                             {int64_t(4096), Kernel::Auto}, {int64_t(200), Kernel::Stream}}) {
+    for (auto [T, kernel] : {std::pair{int64_t(200), Kernel::Auto}, {int64_t(600), Kernel::MultiToken},
+                             {int64_t(4096), Kernel::Auto}, {int64_t(200), Kernel::Split}}) {
       Case d;
       d.dtype = dt, d.T = T, d.Hq = 4, d.Hk = 8, d.D = 128, d.pool = 8;
       std::vector<int64_t> slots(d.T);
@@ -537,7 +542,7 @@ void test_slot_errors(std::mt19937_64& rng) {
         const std::string what = std::string("duplicate slots keep whole rows (") + dtype_name(dt) +
                                  " T=" + std::to_string(T) + " " + kernel_name(kernel) + ")";
         check_outputs(pr, what);
-        if (T <= 256 && kernel == Kernel::Auto) {
+        if (T <= 256) {
           // Scan mode: row s holds the last token with slot s.
           const auto k_out = pr.fetch(*pr.d_k_out), pool = pr.fetch(*pr.d_pool_k);
           const size_t row = size_t(d.Hk * d.D) * pr.es;
@@ -844,39 +849,12 @@ void bench(bool sweep, std::mt19937_64& rng) {
           for (int split : {1, 2, 3}) {
             if (split > 1 && (T > 256 || tok > 1)) continue;
             detail::cuda_launch::LaunchConfig c;
-            c.kernel = Kernel::Tile;
             c.warps_per_cta = warps, c.tokens_per_cta = tok, c.ctas_per_tile = split;
             char label[40];
-            std::snprintf(label, sizeof label, "tile %d,%d,%d", warps, tok, split);
+            std::snprintf(label, sizeof label, "%d,%d,%d", warps, tok, split);
             consider(c, label);
           }
-      {
-        detail::cuda_launch::LaunchConfig c;
-        c.kernel = Kernel::Tile;
-        c.reg_cap = true;
-        consider(c, "tile regcap64");
-      }
-      for (int per_sm : {0, 2, 3, 4}) {
-        detail::cuda_launch::LaunchConfig c;
-        c.kernel = Kernel::Stream;
-        c.ctas_per_sm = per_sm;
-        char label[40];
-        std::snprintf(label, sizeof label, "stream %d/SM", per_sm);
-        consider(c, label);
-      }
-      // Both kernels at their defaults, for the crossover.
-      detail::cuda_launch::LaunchConfig tile, stream;
-      tile.kernel = Kernel::Tile;
-      stream.kernel = Kernel::Stream;
-      detail::cuda_launch::LaunchConfig tile_nd = tile, tile_rc = tile;
-      tile_nd.dedupe_rows = false;
-      tile_rc.reg_cap = true;
-      const double tt = time_stream(w, tile, s), ts = time_stream(w, stream, s);
-      const double tnd = time_stream(w, tile_nd, s), trc = time_stream(w, tile_rc, s);
       char b[200];
-      std::snprintf(b, sizeof b, " | tile %.2f (no-dedup %.2f, regcap %.2f) stream %.2f", tt * 1e6,
-                    tnd * 1e6, trc * 1e6, ts * 1e6);
-      best += b;
       if (T <= 256) {
         detail::cuda_launch::LaunchConfig off;
         off.pdl = -1;
@@ -885,11 +863,8 @@ void bench(bool sweep, std::mt19937_64& rng) {
       }
     }
     char pl[32];
-    if (plan.config.kernel == Kernel::Stream)
-      std::snprintf(pl, sizeof pl, "stream");
-    else
-      std::snprintf(pl, sizeof pl, "tile %d,%d,%d", plan.config.warps_per_cta, plan.config.tokens_per_cta,
-                    plan.config.ctas_per_tile);
+    std::snprintf(pl, sizeof pl, "%d,%d,%d", plan.config.warps_per_cta, plan.config.tokens_per_cta,
+                  plan.config.ctas_per_tile);
     const double gbps = w.bytes() / t;
     std::printf("%8lld %10.2f %9.0f %6.1f%% %10.2f %10.2f %14s  %s\n", (long long)T, t * 1e6, gbps / 1e9,
                 100 * gbps / copy, tg * 1e6, tn * 1e6, pl, best.c_str());
