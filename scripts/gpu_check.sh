@@ -126,7 +126,7 @@ fi
 # --- 4: pytest ---------------------------------------------------------------------------------
 if [ "$PIP_RC" = 0 ]; then
   # From a directory without the source package, so the installed one is imported.
-  run_step "pytest (whole suite, GPU included)" "$LOGS/pytest.log" 420 \
+  run_step "pytest (whole suite, GPU included)" "$LOGS/pytest.log" 300 \
     bash -c "cd /tmp && $PY -m pytest '$ROOT/tests/python' -q -p no:cacheprovider -rs --rootdir '$ROOT' -c '$ROOT/pyproject.toml'"
   NOTES[-1]="$(grep -E '[0-9]+ (passed|failed)' "$LOGS/pytest.log" | tail -n 1)"
 fi
@@ -148,16 +148,16 @@ if [ "$PIP_RC" = 0 ]; then
 fi
 
 # --- summary ------------------------------------------------------------------------------------
+FAILED=0
+for st in "${STATUS[@]}"; do case "$st" in PASS|SKIPPED) ;; *) FAILED=1 ;; esac; done
 {
   echo
   echo "ropepool gpu_check: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1), $((SECONDS - START)) s total, logs in $LOGS"
   [ -f "$LOGS/bench.log" ] && sed -n '/^ropepool GPU bench/,$p' "$LOGS/bench.log"
   echo
   printf '%-52s %-14s %6s  %s\n' "step" "status" "sec" "note"
-  FAILED=0
   for i in "${!NAMES[@]}"; do
     printf '%-52s %-14s %6s  %s\n' "${NAMES[$i]}" "${STATUS[$i]}" "${TIMES[$i]}" "${NOTES[$i]}"
-    case "${STATUS[$i]}" in PASS|SKIPPED) ;; *) FAILED=1 ;; esac
   done
   [ $FAILED = 0 ] && echo "ALL PASSED" || echo "SOME STEPS FAILED"
 } | tee -a "$LOGS/summary.txt"

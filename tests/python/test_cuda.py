@@ -16,10 +16,13 @@ import ropepool
 from rope_testing import (
     Case,
     assert_within_bound,
+    dtype_name,
     make_case,
     random_positions,
     raw_bits,
+    rope_exact,
     to_f64,
+    ulp,
 )
 
 pytestmark = [
@@ -53,25 +56,19 @@ def to_cpu(case):
     return c.snapshot()
 
 
-def ordered_bits(x):
-    """Raw bits mapped to integers in value order (so 1 ulp apart = 1 apart)."""
-    b = raw_bits(x).astype(np.int64)
-    width = 8 * x.element_size()
-    sign = np.int64(1) << (width - 1)
-    return np.where(b < 0, -(b + sign), b)  # two's complement view: negative floats flip
-
-
-def assert_close_bits(got, want, what, max_ulp=1):
-    """Bit-identical, or within `max_ulp` units in the last place; NaN must match NaN."""
+def assert_agrees_with_cpu(got, want, x, positions, rope_base, what):
+    """CUDA and CPU round the same math once each from float32 with slightly different
+    float32 sin/cos, so each lies within the SPEC bound of the exact value and they differ
+    by at most the two bounds together: 2 ulp(exact) + 2 * 2^-18 (|a| + |b|). Where the
+    result cancels (a cos - b sin ~ 0) that is many ulps of the result; elsewhere it is 1-2."""
+    exact, abs_ab = rope_exact(x, positions, rope_base)
     g, w = to_f64(got), to_f64(want)
-    nan_g, nan_w = np.isnan(g), np.isnan(w)
-    assert (nan_g == nan_w).all(), f"{what}: NaN in different places"
-    d = np.abs(ordered_bits(got) - ordered_bits(want))
-    d[nan_g] = 0
-    if d.max(initial=0) > max_ulp:
-        i = np.unravel_index(int(np.argmax(d)), d.shape)
-        raise AssertionError(f"{what}: {int(d.max())} ulp apart at {tuple(int(x) for x in i)}: "
-                             f"got {g[i]!r}, want {w[i]!r}")
+    bound = 2 * ulp(exact, dtype_name(got)) + 2.0**-17 * abs_ab
+    ok = np.abs(g - w) <= bound  # NaN fails
+    if not ok.all():
+        i = tuple(int(v) for v in np.argwhere(~ok)[0])
+        raise AssertionError(f"{what}: {int((~ok).sum())} elements apart by more than both SPEC "
+                             f"bounds, first at {i}: CUDA {g[i]!r}, CPU {w[i]!r}, exact {exact[i]!r}")
 
 
 def assert_rows(case, k_rot, written_tokens):
@@ -106,7 +103,8 @@ HEAD_DIMS = [64, 96, 128, 256, 80, 72, 34]
 @pytest.mark.parametrize("heads", [(4, 2), (32, 8), (5, 3)])
 @pytest.mark.parametrize("T", [1, 7, 300, 1500])
 def test_cuda_matches_cpu_and_reference(dtype, head_dim, heads, T, rng):
-    """T 1..300 run the decode (tile) kernel, 1500 the prefill (stream) kernel."""
+    """T = 1 writes pool rows directly, 7 deduplicates slots with a shared-memory scan,
+    300 and 1500 with per-slot locks (docs/CUDA.md)."""
     Hq, Hk = heads
     if T == 1500 and (head_dim not in (128, 72) or Hq != 32):
         pytest.skip("large T: one tuned and one scalar head size are enough")
@@ -119,11 +117,16 @@ def test_cuda_matches_cpu_and_reference(dtype, head_dim, heads, T, rng):
     torch.cuda.synchronize()
     assert_within_bound(q_rot, case.q, case.positions, case.rope_base, "q_rot")
     assert_within_bound(k_rot, case.k, case.positions, case.rope_base, "k_rot")
-    assert_close_bits(q_rot, q_cpu, "q_rot CUDA vs CPU")
-    assert_close_bits(k_rot, k_cpu, "k_rot CUDA vs CPU")
-    assert_close_bits(case.k_pool, cpu.k_pool, "k_pool CUDA vs CPU")
-    np.testing.assert_array_equal(raw_bits(case.v_pool), raw_bits(cpu.v_pool))
+    assert_agrees_with_cpu(q_rot, q_cpu, case.q, case.positions, case.rope_base, "q_rot CUDA vs CPU")
+    assert_agrees_with_cpu(k_rot, k_cpu, case.k, case.positions, case.rope_base, "k_rot CUDA vs CPU")
+    same = (raw_bits(q_rot) == raw_bits(q_cpu)).mean()
+    if dtype != "float32":  # one rounding to 8/11 bits from nearly equal floats: mostly equal
+        assert same > 0.9, f"only {same:.1%} of q_rot is bit-identical to the CPU backend"
+    # Pools: the same rows written on both sides (each bit-identical to its own k_rot),
+    # the same v rows, and every other row untouched on both.
     assert_rows(case, k_rot, slot_map(case))
+    assert_rows(cpu, k_cpu, slot_map(cpu))
+    np.testing.assert_array_equal(raw_bits(case.v_pool), raw_bits(cpu.v_pool))
     case.assert_unchanged("q", "k", "v", "positions", "slots")
 
 
@@ -188,7 +191,7 @@ def test_duplicate_slot_with_check_slots_writes_nothing(rng):
     case.assert_unchanged()
 
 
-@pytest.mark.parametrize("T", [40, 3000])  # tile and stream kernels
+@pytest.mark.parametrize("T", [40, 3000])  # scan and lock modes
 def test_out_of_range_slot_reported_by_next_call(T, rng):
     """Default (no sync): the bad token's rows are skipped, every other row is written, and
     the next call on the device raises RuntimeError naming the bad slot, then runs normally."""
