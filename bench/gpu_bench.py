@@ -106,7 +106,7 @@ def torch_rope_pool(q, k, v, positions, slots, k_pool, v_pool, inv_freq64):
 # --- workload ----------------------------------------------------------------------------------
 
 class Workload:
-    def __init__(self, T, args, gen):
+    def __init__(self, T, args, gen, fused_qkv=False):
         self.T = T
         self.dtype = DTYPES[args.dtype]
         Hq, Hk, D = args.num_qo_heads, args.num_kv_heads, args.head_dim
@@ -122,10 +122,19 @@ class Workload:
         def uniform(*shape):
             return (torch.rand(*shape, generator=gen, device=dev) * 8 - 4).to(self.dtype)
 
+        def qkv():
+            if not fused_qkv:
+                return dict(q=uniform(T, Hq, D), k=uniform(T, Hk, D), v=uniform(T, Hk, D))
+            # views into one fused QKV projection output [T, (Hq + 2 Hk) * D], no copy
+            fused = uniform(T, (Hq + 2 * Hk) * D)
+            q, k, v = fused.split([Hq * D, Hk * D, Hk * D], dim=1)
+            return dict(q=q.unflatten(1, (Hq, D)), k=k.unflatten(1, (Hk, D)),
+                        v=v.unflatten(1, (Hk, D)))
+
         self.sets = []
         for _ in range(n_sets):
             self.sets.append(dict(
-                q=uniform(T, Hq, D), k=uniform(T, Hk, D), v=uniform(T, Hk, D),
+                **qkv(),
                 positions=torch.randint(0, 1 << 17, (T,), generator=gen, device=dev, dtype=torch.int32),
                 slots=torch.randperm(self.P, generator=gen, device=dev)[:T].to(torch.int32)))
         self.k_pool = uniform(self.P, Hk, D)
@@ -325,10 +334,23 @@ def main(argv=None):
         del w
         torch.cuda.empty_cache()
 
+    # SPEC §4: q/k/v as strided views into a fused QKV buffer against contiguous inputs.
+    layout_rows = []
+    for T in [t for t in args.tokens if t in (1, 4096, 65536)] if have_ropepool else []:
+        times = {}
+        for fused in (False, True):
+            w = Workload(T, args, gen, fused_qkv=fused)
+            rp = lambda *a: ropepool.rope_pool_fused(*a, **w.shape)  # noqa: E731
+            times[fused] = time_stream(rp, w, args.seconds)[0] * 1e6
+            del w
+            torch.cuda.empty_cache()
+        layout_rows.append(dict(T=T, contiguous_us=times[False], fused_qkv_us=times[True]))
+        print(json.dumps(layout_rows[-1]), flush=True)
+
     result = dict(device=props.name, torch=torch.__version__, copy_GBps=copy_bps / 1e9,
                   dtype=args.dtype, num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads,
                   head_dim=args.head_dim, rope_base=args.rope_base, rows=rows,
-                  problems=problems_all, ropepool=have_ropepool)
+                  problems=problems_all, ropepool=have_ropepool, layouts=layout_rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -347,6 +369,9 @@ def main(argv=None):
               f"{f(r.get('ropepool_pct_copy'), '{:.1f}'):>6} {f(r['eager_us']):>9} {f(r.get('compile_us')):>10} "
               f"{f(speedup, '{:.1f}x'):>9} | {f(r.get('ropepool_graph_us')):>15} {f(r.get('eager_graph_us')):>7} "
               f"{f(r.get('compile_graph_us')):>8}")
+    for r in layout_rows:
+        print(f"T={r['T']}: contiguous q/k/v {r['contiguous_us']:.2f} us, views into a fused QKV "
+              f"buffer {r['fused_qkv_us']:.2f} us")
     if problems_all:
         print("CHECK FAILED:\n  " + "\n  ".join(problems_all))
         return 1

@@ -10,7 +10,9 @@ from __future__ import annotations
 import numbers
 import operator
 import sys
-from typing import Any, Tuple
+from typing import Any, Mapping, Optional, Tuple
+
+from ropepool._schedule import RopeSchedule, rope_schedule
 
 from ropepool import _ropepool
 
@@ -35,9 +37,18 @@ def rope_pool_fused(
     num_qo_heads: int,
     num_kv_heads: int,
     rope_base: float,
+    rotary_dim: Optional[int] = None,
+    interleaved: bool = False,
+    rope_scaling: Optional[Mapping[str, Any]] = None,
+    max_position_embeddings: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    inv_freq: Any = None,
+    attention_scaling: Optional[float] = None,
+    schedule: Optional["RopeSchedule"] = None,
+    inplace: bool = False,
     check_slots: bool = False,
 ) -> Tuple[Any, Any, Any, Any]:
-    """Applies NeoX RoPE to q and k and writes rotated k and v into the KV-cache pools.
+    """Applies RoPE to q and k and writes rotated k and v into the KV-cache pools.
 
     Args:
         q: ``[T, num_qo_heads, head_dim]`` float32, float16 or bfloat16.
@@ -48,6 +59,22 @@ def rope_pool_fused(
         k_pool, v_pool: ``[P, num_kv_heads, head_dim]``, same dtype as q, updated in place.
         head_dim, num_qo_heads, num_kv_heads: the head geometry (checked against shapes).
         rope_base: the RoPE base (theta), finite and > 0.
+        rotary_dim: rotate only the first ``rotary_dim`` elements of each head (even,
+            <= head_dim; partial rotary); the rest is copied. Default: head_dim.
+        interleaved: GPT-J / "traditional" pairs ``(x[2i], x[2i+1])`` instead of NeoX
+            half-split pairs ``(x[i], x[i + rotary_dim/2])``.
+        rope_scaling: a Hugging Face ``config.rope_scaling`` dict (``rope_type`` or
+            ``type``: default, linear, dynamic, yarn, llama3, longrope); see
+            :func:`rope_schedule` for the keys and the sequence-length rule.
+        max_position_embeddings: the model's ``config.max_position_embeddings`` (dynamic,
+            longrope, and yarn without ``original_max_position_embeddings``).
+        seq_len: the sequence length the schedule is for (dynamic, longrope).
+        inv_freq: any other schedule: a CPU float32 array of ``rotary_dim/2`` inverse
+            frequencies (replaces rope_base and rope_scaling).
+        attention_scaling: multiplies cos and sin (replaces the schedule's own factor).
+        schedule: a :class:`RopeSchedule` made once by :func:`rope_schedule` (the cheapest
+            per call); replaces rope_scaling, inv_freq and attention_scaling.
+        inplace: write q_rot/k_rot into q and k and return them as q_rot/k_rot.
         check_slots: also reject two tokens writing the same slot (otherwise the row ends
             up holding one of those tokens' complete rows).
 
@@ -71,6 +98,23 @@ def rope_pool_fused(
         )
     rope_base = float(rope_base)
     check_slots = bool(check_slots)
+    rotary_dim = 0 if rotary_dim is None else operator.index(rotary_dim)
+    interleaved = bool(interleaved)
+    inplace = bool(inplace)
+    if schedule is None and (rope_scaling is not None or inv_freq is not None
+                             or attention_scaling is not None or seq_len is not None
+                             or max_position_embeddings is not None):
+        schedule = rope_schedule(
+            head_dim=head_dim, rope_base=rope_base, rotary_dim=rotary_dim or None,
+            rope_scaling=rope_scaling, max_position_embeddings=max_position_embeddings,
+            seq_len=seq_len, inv_freq=inv_freq, attention_scaling=attention_scaling)
+    if schedule is not None:
+        if not isinstance(schedule, RopeSchedule):
+            raise TypeError("rope_pool_fused: schedule must be a ropepool.RopeSchedule, got "
+                            f"{type(schedule).__name__}")
+        sched_freqs, sched_scale = list(schedule.inv_freq), schedule.attention_scaling
+    else:
+        sched_freqs, sched_scale = None, 1.0
 
     if torch is not None and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) \
             and isinstance(v, torch.Tensor) and isinstance(positions, torch.Tensor) \
@@ -79,9 +123,15 @@ def rope_pool_fused(
         # Through the custom op, so torch.compile sees one opaque call that mutates the
         # pools. A custom op cannot return its mutated inputs, so the pools are returned
         # here, as the caller's own objects.
+        if inplace:
+            torch.ops.ropepool.rope_pool_fused_(
+                q, k, v, positions, slots, k_pool, v_pool, head_dim, num_qo_heads,
+                num_kv_heads, rope_base, check_slots, rotary_dim, interleaved, sched_freqs,
+                sched_scale)
+            return q, k, k_pool, v_pool
         q_rot, k_rot = torch.ops.ropepool.rope_pool_fused(
-            q, k, v, positions, slots, k_pool, v_pool,
-            head_dim, num_qo_heads, num_kv_heads, rope_base, check_slots,
+            q, k, v, positions, slots, k_pool, v_pool, head_dim, num_qo_heads, num_kv_heads,
+            rope_base, check_slots, rotary_dim, interleaved, sched_freqs, sched_scale,
         )
         return q_rot, k_rot, k_pool, v_pool
     if torch is not None and any(isinstance(t, torch.Tensor) for t in tensors):
@@ -92,12 +142,14 @@ def rope_pool_fused(
             "torch.Tensors; pass every array as a torch.Tensor"
         )
 
-    q_rot = _new_array_output(q, "q")
-    k_rot = _new_array_output(k, "k")
+    q_rot = q if inplace else _new_array_output(q, "q")
+    k_rot = k if inplace else _new_array_output(k, "k")
     _ropepool.rope_pool_fused_into(
         q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot,
         head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-        rope_base=rope_base, check_slots=check_slots, stream=0,
+        rope_base=rope_base, check_slots=check_slots, stream=0, rotary_dim=rotary_dim,
+        interleaved=interleaved, schedule_inv_freq=sched_freqs,
+        schedule_attention_scaling=sched_scale,
     )
     return q_rot, k_rot, k_pool, v_pool
 
@@ -141,10 +193,19 @@ if torch is not None:
     # Python autograd and ADInplaceOrView layers cost ~20 us per eager call against ~1.5 us
     # here, which matters for a decode step that launches a few-microsecond kernel.
     _LIB = torch.library.Library("ropepool", "DEF")
+    # The schedule travels as plain numbers (inv_freq as float64 values, or None for the
+    # default schedule of rope_base), which the schema can carry and torch.compile can bake
+    # into a graph; `rope_pool_fused_` is the in-place variant (q and k mutated too).
+    _SCHEMA_TAIL = ("int head_dim, int num_qo_heads, int num_kv_heads, float rope_base, "
+                    "bool check_slots=False, int rotary_dim=0, bool interleaved=False, "
+                    "float[]? inv_freq=None, float attention_scaling=1.0)")
     _LIB.define(
         "rope_pool_fused(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor slots, "
-        "Tensor(a!) k_pool, Tensor(b!) v_pool, int head_dim, int num_qo_heads, "
-        "int num_kv_heads, float rope_base, bool check_slots) -> (Tensor, Tensor)"
+        "Tensor(a!) k_pool, Tensor(b!) v_pool, " + _SCHEMA_TAIL + " -> (Tensor, Tensor)"
+    )
+    _LIB.define(
+        "rope_pool_fused_(Tensor(c!) q, Tensor(d!) k, Tensor v, Tensor positions, "
+        "Tensor slots, Tensor(a!) k_pool, Tensor(b!) v_pool, " + _SCHEMA_TAIL + " -> ()"
     )
     _to_dlpack = torch._C._to_dlpack
     _increment_version = torch._C._increment_version
@@ -153,13 +214,15 @@ if torch is not None:
                                   lambda device: torch.cuda.current_stream(device).cuda_stream)
     _current_device = getattr(torch._C, "_cuda_getDevice", lambda: torch.cuda.current_device())
 
-    def _rope_pool_fused_kernel(q, k, v, positions, slots, k_pool, v_pool, head_dim,
-                                num_qo_heads, num_kv_heads, rope_base, check_slots):
-        q_rot = _new_torch_output(q)
-        k_rot = _new_torch_output(k)
+    def _run(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, head_dim,
+             num_qo_heads, num_kv_heads, rope_base, check_slots=False, rotary_dim=0,
+             interleaved=False, inv_freq=None, attention_scaling=1.0):
+        # (the dispatcher leaves trailing schema defaults out of the call)
         args = (q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot)
         kwargs = dict(head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                      rope_base=rope_base, check_slots=check_slots, exporter=_to_dlpack)
+                      rope_base=rope_base, check_slots=check_slots, exporter=_to_dlpack,
+                      rotary_dim=rotary_dim, interleaved=interleaved,
+                      schedule_inv_freq=inv_freq, schedule_attention_scaling=attention_scaling)
         if q.is_cuda:
             # The kernel runs on torch's current stream of q's device, like any torch op
             # (and so inside CUDA-graph capture).
@@ -172,17 +235,30 @@ if torch is not None:
                     _ropepool.rope_pool_fused_into(*args, **kwargs, stream=stream)
         else:
             _ropepool.rope_pool_fused_into(*args, **kwargs, stream=0)
+
+    def _rope_pool_fused_kernel(q, k, v, positions, slots, k_pool, v_pool, *scalars):
+        q_rot = _new_torch_output(q)
+        k_rot = _new_torch_output(k)
+        _run(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, *scalars)
         # What the decorator's ADInplaceOrView layer would do: tell autograd the pools were
         # written in place (a no-op for inference-mode tensors, which have no version).
         _increment_version((k_pool, v_pool))
         return q_rot, k_rot
 
+    def _rope_pool_fused_inplace_kernel(q, k, v, positions, slots, k_pool, v_pool, *scalars):
+        _run(q, k, v, positions, slots, k_pool, v_pool, q, k, *scalars)
+        _increment_version((q, k, k_pool, v_pool))
+
     # One kernel for every backend key (CPU, CUDA, ...): the C++ side dispatches on the
     # tensors' device itself and rejects what it cannot run.
     _LIB.impl("rope_pool_fused", _rope_pool_fused_kernel, "CompositeExplicitAutograd")
+    _LIB.impl("rope_pool_fused_", _rope_pool_fused_inplace_kernel, "CompositeExplicitAutograd")
+
+    @torch.library.register_fake("ropepool::rope_pool_fused_", lib=_LIB)
+    def _rope_pool_fused_inplace_fake(q, k, v, positions, slots, k_pool, v_pool, *scalars):
+        return None
 
     @torch.library.register_fake("ropepool::rope_pool_fused", lib=_LIB)
-    def _rope_pool_fused_fake(q, k, v, positions, slots, k_pool, v_pool, head_dim,
-                              num_qo_heads, num_kv_heads, rope_base, check_slots):
+    def _rope_pool_fused_fake(q, k, v, positions, slots, k_pool, v_pool, *scalars):
         return (torch.empty_like(q, memory_format=torch.contiguous_format),
                 torch.empty_like(k, memory_format=torch.contiguous_format))

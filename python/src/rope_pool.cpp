@@ -4,15 +4,21 @@
 // validation (SPEC §2), so every message comes from one place.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <array>
 #include <exception>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "bindings.hpp"
 #include "ropepool/error.hpp"
 #include "ropepool/rope_pool.hpp"
+#include "ropepool/schedule.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -133,7 +139,10 @@ void rope_pool_fused_into(nb::handle q, nb::handle k, nb::handle v, nb::handle p
                           nb::handle slots, nb::handle k_pool, nb::handle v_pool,
                           nb::handle q_out, nb::handle k_out, int64_t head_dim,
                           int64_t num_qo_heads, int64_t num_kv_heads, double rope_base,
-                          bool check_slots, uintptr_t stream, nb::handle exporter) {
+                          bool check_slots, uintptr_t stream, nb::handle exporter,
+                          int64_t rotary_dim, bool interleaved,
+                          std::optional<std::vector<double>> schedule_inv_freq,
+                          double schedule_attention_scaling) {
   const std::array<nb::handle, 9> objects = {q, k, v, positions, slots, k_pool, v_pool,
                                              q_out, k_out};
   // The imported arrays hold references to the producers' buffers for the whole call.
@@ -165,6 +174,15 @@ void rope_pool_fused_into(nb::handle q, nb::handle k, nb::handle v, nb::handle p
   params.num_qo_heads = num_qo_heads;
   params.num_kv_heads = num_kv_heads;
   params.rope_base = rope_base;
+  params.rotary_dim = rotary_dim;
+  params.interleaved = interleaved;
+  RopeSchedule schedule;
+  if (schedule_inv_freq) {
+    schedule.rotary_dim = rotary_dim ? rotary_dim : head_dim;
+    schedule.inv_freq = std::move(*schedule_inv_freq);
+    schedule.attention_scaling = schedule_attention_scaling;
+    params.schedule = &schedule;
+  }
 
   CallOptions options;
   options.check_slots = check_slots;
@@ -178,18 +196,89 @@ void rope_pool_fused_into(nb::handle q, nb::handle k, nb::handle v, nb::handle p
   rope_pool_fused(tensors, params, options);
 }
 
+RopeType parse_rope_type(const std::string& name) {
+  for (RopeType t : {RopeType::Default, RopeType::Linear, RopeType::Dynamic, RopeType::Yarn,
+                     RopeType::Llama3, RopeType::LongRope})
+    if (name == rope_type_name(t)) return t;
+  throw Error("rope_pool_fused: unknown rope_scaling type '" + name +
+                  "'; expected one of default, linear, dynamic, yarn, llama3, longrope",
+              "for any other schedule pass inv_freq (and attention_scaling) directly");
+}
+
+// The schedule of SPEC §4 (make_rope_schedule), for the Python layer: it is computed once
+// per call from the keyword arguments (or once at model load by ropepool.rope_schedule)
+// and handed to the op as plain numbers, which the torch op schema can carry.
+nb::tuple rope_schedule(int64_t head_dim, double rope_base, int64_t rotary_dim,
+                        const std::string& rope_type, double factor,
+                        std::optional<double> attention_factor, std::optional<double> beta_fast,
+                        std::optional<double> beta_slow, std::optional<double> mscale,
+                        std::optional<double> mscale_all_dim, bool truncate,
+                        double low_freq_factor, double high_freq_factor,
+                        std::optional<int64_t> original_max_position_embeddings,
+                        std::optional<int64_t> max_position_embeddings,
+                        std::vector<double> short_factor, std::vector<double> long_factor,
+                        std::optional<int64_t> seq_len, nb::handle inv_freq,
+                        std::optional<double> attention_scaling) {
+  RopePoolParams params;
+  params.head_dim = head_dim;
+  params.rope_base = rope_base;
+  params.rotary_dim = rotary_dim;
+  RopeScaling& s = params.rope_scaling;
+  s.type = parse_rope_type(rope_type);
+  s.factor = factor;
+  s.attention_factor = attention_factor;
+  s.beta_fast = beta_fast;
+  s.beta_slow = beta_slow;
+  s.mscale = mscale;
+  s.mscale_all_dim = mscale_all_dim;
+  s.truncate = truncate;
+  s.low_freq_factor = low_freq_factor;
+  s.high_freq_factor = high_freq_factor;
+  s.original_max_position_embeddings = original_max_position_embeddings;
+  s.max_position_embeddings = max_position_embeddings;
+  s.short_factor = std::move(short_factor);
+  s.long_factor = std::move(long_factor);
+  s.seq_len = seq_len;
+  params.attention_scaling = attention_scaling;
+  ReadArray table;
+  if (!inv_freq.is_none()) {
+    table = import_array<ReadArray>(inv_freq, "inv_freq", false, nb::none());
+    params.inv_freq = to_view(table);
+  }
+  const RopeSchedule schedule = make_rope_schedule(params);
+  nb::list freqs;
+  for (double f : schedule.inv_freq) freqs.append(f);
+  return nb::make_tuple(schedule.rotary_dim, freqs, schedule.attention_scaling);
+}
+
 }  // namespace
 
 void init_rope_pool(nb::module_& m) {
+  m.def("rope_schedule", &rope_schedule, nb::kw_only(), "head_dim"_a, "rope_base"_a,
+        "rotary_dim"_a = 0, "rope_type"_a = "default", "factor"_a = 1.0,
+        "attention_factor"_a = nb::none(), "beta_fast"_a = nb::none(),
+        "beta_slow"_a = nb::none(), "mscale"_a = nb::none(), "mscale_all_dim"_a = nb::none(),
+        "truncate"_a = true, "low_freq_factor"_a = 1.0, "high_freq_factor"_a = 4.0,
+        "original_max_position_embeddings"_a = nb::none(),
+        "max_position_embeddings"_a = nb::none(), "short_factor"_a = std::vector<double>{},
+        "long_factor"_a = std::vector<double>{}, "seq_len"_a = nb::none(),
+        "inv_freq"_a = nb::none(), "attention_scaling"_a = nb::none(),
+        "Low-level: (rotary_dim, inv_freq as a list of floats, attention_scaling) of a "
+        "schedule (C++ make_rope_schedule). Use ropepool.rope_schedule instead.");
+
   m.def("rope_pool_fused_into", &rope_pool_fused_into, "q"_a, "k"_a, "v"_a, "positions"_a,
         "slots"_a, "k_pool"_a, "v_pool"_a, "q_out"_a, "k_out"_a, nb::kw_only(),
         "head_dim"_a, "num_qo_heads"_a, "num_kv_heads"_a, "rope_base"_a,
         "check_slots"_a = false, "stream"_a = 0, "exporter"_a = nb::none(),
+        "rotary_dim"_a = 0, "interleaved"_a = false, "schedule_inv_freq"_a = nb::none(),
+        "schedule_attention_scaling"_a = 1.0,
         nb::sig("def rope_pool_fused_into(q: object, k: object, v: object, "
                 "positions: object, slots: object, k_pool: object, v_pool: object, "
                 "q_out: object, k_out: object, *, head_dim: int, num_qo_heads: int, "
                 "num_kv_heads: int, rope_base: float, check_slots: bool = False, "
-                "stream: int = 0, exporter: object = None) -> None"),
+                "stream: int = 0, exporter: object = None, rotary_dim: int = 0, "
+                "interleaved: bool = False, schedule_inv_freq: list[float] | None = None, "
+                "schedule_attention_scaling: float = 1.0) -> None"),
         R"doc(Low-level entry point: rotates q and k into the caller-allocated q_out/k_out
 and writes rotated k and v into k_pool/v_pool (SPEC §1), all in place.
 
@@ -197,7 +286,9 @@ Every array is taken as is through DLPack or the buffer protocol (no conversion,
 `stream` is a cudaStream_t as an integer, used for CUDA arrays (0 = legacy default
 stream); the caller must have made the arrays' device current. `exporter(x)`, if given,
 returns a DLPack capsule for x (a faster route than x.__dlpack__()); messages still print
-shapes from the objects themselves. Raises ValueError with the
+shapes from the objects themselves. `schedule_inv_freq`/`schedule_attention_scaling`, when
+given, are a precomputed schedule (from rope_schedule) for rotary_dim; q_out/k_out may be
+q/k themselves (in-place rotation). Raises ValueError with the
 SPEC §2 messages (extra help in the exception's notes) and RuntimeError for backend
 failures. Most callers want `ropepool.rope_pool_fused`.)doc");
 }

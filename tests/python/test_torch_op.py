@@ -22,10 +22,16 @@ def test_registered_as_custom_op():
     schema = torch.ops.ropepool.rope_pool_fused.default._schema
     written = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
     assert written == ["k_pool", "v_pool"], str(schema)
+    scalars = ["head_dim", "num_qo_heads", "num_kv_heads", "rope_base", "check_slots",
+               "rotary_dim", "interleaved", "inv_freq", "attention_scaling"]
     assert [a.name for a in schema.arguments] == [
-        "q", "k", "v", "positions", "slots", "k_pool", "v_pool", "head_dim", "num_qo_heads",
-        "num_kv_heads", "rope_base", "check_slots"]
+        "q", "k", "v", "positions", "slots", "k_pool", "v_pool", *scalars]
     assert len(schema.returns) == 2 and all(r.alias_info is None for r in schema.returns)
+    # the in-place variant (inplace=True) writes q and k too and returns nothing
+    schema = torch.ops.ropepool.rope_pool_fused_.default._schema
+    written = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
+    assert written == ["q", "k", "k_pool", "v_pool"], str(schema)
+    assert [a.name for a in schema.arguments][7:] == scalars and len(schema.returns) == 0
 
 
 def test_pool_versions_bumped(rng):
@@ -44,6 +50,13 @@ def test_opcheck(kernel_device, rng):
     args = case.args() + (case.head_dim, case.num_qo_heads, case.num_kv_heads, case.rope_base,
                           False)
     torch.library.opcheck(torch.ops.ropepool.rope_pool_fused.default, args)
+    # SPEC §4: partial interleaved rotary with a precomputed schedule, and the in-place op
+    sched = ropepool.rope_schedule(head_dim=case.head_dim, rope_base=case.rope_base,
+                                   rotary_dim=32, rope_scaling={"rope_type": "linear",
+                                                                "factor": 2.0})
+    args = args + (32, True, list(sched.inv_freq), 0.75)
+    torch.library.opcheck(torch.ops.ropepool.rope_pool_fused.default, args)
+    torch.library.opcheck(torch.ops.ropepool.rope_pool_fused_.default, args)
 
 
 def _attention_prologue(q, k, v, positions, slots, k_pool, v_pool, head_dim, num_qo_heads,
