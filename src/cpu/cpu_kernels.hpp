@@ -59,6 +59,9 @@ KernelVariant kernel_variant();
 /// negative = never).
 void set_stream_min_bytes(int64_t bytes);
 int64_t stream_min_bytes();
+/// Bytes of traffic per thread: smaller calls run on the caller alone (for tests).
+void set_parallel_min_bytes(int64_t bytes);
+int64_t parallel_min_bytes();
 /// The Highway target chosen on this CPU, e.g. "AVX3" (for reports).
 const char* hwy_target_name();
 

@@ -13,14 +13,33 @@ namespace cpu {
 namespace {
 
 // Below this much memory traffic a call runs on the calling thread: waking a worker costs
-// a few microseconds, as long as moving ~this many bytes.
-constexpr int64_t kParallelMinBytes = 256 << 10;
+// 5-50 microseconds (more in a VM), as long as one core needs to move ~this many bytes. Above
+// it, one thread per this many bytes at most, so a big machine does not wake 100 workers for
+// a few megabytes of a memory-bound op.
+constexpr int64_t kParallelMinBytes = 1 << 20;
+std::atomic<int64_t> g_parallel_min_bytes{kParallelMinBytes};
 
+// Highway is the default: faster than the auto-vectorised kernel everywhere it was measured.
+// Bench shape (bf16, Hq=32, Hk=8, D=128, pool 4T slots, random distinct slots, ~5% -1) on the
+// 2-vCPU Xeon (AVX-512) development VM, GB/s of read+write traffic, best of rounds, with the
+// second vCPU free (the VM is shared; medians under load are lower), via
+// `cpu_kernel_check bench`:
+//                                  T=4096 (109 MB)   T=32768 (873 MB)
+//   memcpy, 1 thread (glibc)             12.8              21.5   (*)
+//   highway, NT stores, 2 threads        38.8              23.7   (default for >= 16 MiB)
+//   highway, NT stores, 1 thread         18.1              12.5
+//   highway, plain stores, 2 threads     20.9              18.3
+//   autovec, plain stores, 2 threads     17.9              15.5
+//   autovec, plain stores, 1 thread       9.1               8.4
+// In cache (T=16, repeated) one thread: highway ~20-24 GB/s, autovec ~8.5 GB/s.
+// (*) glibc copies 55 MB with cached stores here (its non-temporal threshold follows the
+// VM's reported 480 MiB L3), 436 MB with non-temporal ones.
 std::atomic<KernelVariant> g_variant{KernelVariant::highway};
-// Calls moving at least this much use non-temporal stores. Their outputs (32 MiB of q_rot at
-// 4096 tokens of 32 bf16 heads) cannot stay in cache for the next op anyway, and skipping the
-// read-for-ownership of every written line is worth ~2x there (bench shape, T=4096: 5.5 ->
-// 10.5 GB/s on the development VM); small calls (decode) keep their outputs in cache.
+// Calls moving at least this much use non-temporal stores (rows must be vector-aligned, as
+// framework tensors are). Their outputs (32 MiB of q_rot at 4096 tokens of 32 bf16 heads)
+// cannot stay in cache for the next op anyway, and skipping the read-for-ownership of every
+// written line (and of the randomly placed pool rows) is worth up to ~2x there (table
+// above); small calls (decode) keep their outputs in cache for the next op.
 constexpr int64_t kStreamMinBytes = 16 << 20;
 std::atomic<int64_t> g_stream_min_bytes{kStreamMinBytes};
 
@@ -75,6 +94,10 @@ void set_kernel_variant(KernelVariant v) { g_variant.store(v, std::memory_order_
 KernelVariant kernel_variant() { return g_variant.load(std::memory_order_relaxed); }
 void set_stream_min_bytes(int64_t bytes) { g_stream_min_bytes.store(bytes, std::memory_order_relaxed); }
 int64_t stream_min_bytes() { return g_stream_min_bytes.load(std::memory_order_relaxed); }
+void set_parallel_min_bytes(int64_t bytes) {
+  g_parallel_min_bytes.store(std::max<int64_t>(1, bytes), std::memory_order_relaxed);
+}
+int64_t parallel_min_bytes() { return g_parallel_min_bytes.load(std::memory_order_relaxed); }
 
 }  // namespace cpu
 
@@ -100,7 +123,8 @@ void rope_pool_cpu(const RopePoolProblem& p) {
   const int64_t bytes = T * p.head_dim * int64_t(dtype_size(p.dtype)) *
                         (2 * p.num_qo_heads + 5 * p.num_kv_heads);
   plan.stream_stores = stream_min_bytes() >= 0 && bytes >= stream_min_bytes();
-  const int threads = bytes >= kParallelMinBytes ? std::max(1, cpu_num_threads()) : 1;
+  const int threads = int(std::clamp<int64_t>(bytes / parallel_min_bytes(), 1,
+                                             std::max(1, cpu_num_threads())));
   if (threads == 1) {
     run_block(plan, Block{0, T, 0, num_heads});
     return;
@@ -110,7 +134,7 @@ void rope_pool_cpu(const RopePoolProblem& p) {
   // A few items per thread so a thread slowed by other work on the machine is balanced by
   // the others; tokens in contiguous runs (streaming reads), heads split only when there are
   // too few tokens (decode batches).
-  const int64_t target_items = int64_t(threads) * 4;
+  const int64_t target_items = int64_t(threads) * 8;
   ParallelWork work{&plan, run_block, 1, 1, T, num_heads};
   int64_t num_items;
   if (T >= target_items) {
