@@ -43,6 +43,10 @@ struct RopePoolProblem {
   void* stream = nullptr;
 };
 
+/// SPEC §3 on host-readable slots: throws ropepool::Error for the first slot >= P and, when
+/// reject_duplicates, for the first repeated non-negative slot.
+void check_slot_values(const Index& slots, int64_t T, int64_t P, bool reject_duplicates);
+
 /// CPU backend: synchronous. Expects slots already range-checked (and, with
 /// check_slots, free of duplicates).
 void rope_pool_cpu(const RopePoolProblem& problem);

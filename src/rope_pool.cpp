@@ -183,29 +183,6 @@ struct Checker {
     return true;
   }
 
-  // SPEC §3 on the host (CPU tensors): the first out-of-range slot, and with strict
-  // checking the first repeated one, are rejected before anything is written.
-  void slot_range(const detail::Index& slots, int64_t T, int64_t P) const {
-    for (int64_t i = 0; i < T; ++i) {
-      const int64_t s = slots[i];
-      if (s >= P)
-        fail("rope_pool_fused: slots[" + std::to_string(i) + "] = " + std::to_string(s) +
-                 " is out of range for a pool of " + std::to_string(P) + " slots",
-             "slots index rows of k_pool/v_pool; use a negative slot to skip a token");
-    }
-    if (!o.check_slots) return;
-    std::vector<std::pair<int64_t, int64_t>> seen;  // (slot, token): grows with T, not P
-    seen.reserve(T);
-    for (int64_t i = 0; i < T; ++i)
-      if (slots[i] >= 0) seen.emplace_back(slots[i], i);
-    std::sort(seen.begin(), seen.end());
-    for (size_t i = 1; i < seen.size(); ++i)
-      if (seen[i].first == seen[i - 1].first)
-        fail("rope_pool_fused: slots[" + std::to_string(seen[i].second) + "] = " +
-             std::to_string(seen[i].first) + " repeats slots[" +
-             std::to_string(seen[i - 1].second) + "]; with check_slots each slot may be "
-             "written once per call");
-  }
 };
 
 detail::Rows rows(const TensorView& v) { return {v.data, v.strides[0], v.strides[1]}; }
@@ -247,11 +224,41 @@ Checked check(const RopePoolTensors& t, const RopePoolParams& p, const CallOptio
   problem.inv_freq = out.schedule.inv_freq.data();
   problem.attention_scaling = out.schedule.attention_scaling;
   if (t.q.device.type == DeviceType::CPU)
-    c.slot_range(problem.slots, problem.num_tokens, problem.pool_size);
+    detail::check_slot_values(problem.slots, problem.num_tokens, problem.pool_size,
+                              o.check_slots);
   return out;
 }
 
 }  // namespace
+
+namespace detail {
+
+// SPEC §3 on the host: the first out-of-range slot, and with strict checking the first
+// repeated one, are rejected before anything is written. The CUDA backend calls this on
+// a host copy of the slots when check_slots is on.
+void check_slot_values(const Index& slots, int64_t T, int64_t P, bool reject_duplicates) {
+  for (int64_t i = 0; i < T; ++i) {
+    const int64_t s = slots[i];
+    if (s >= P)
+      throw Error("rope_pool_fused: slots[" + std::to_string(i) + "] = " + std::to_string(s) +
+                      " is out of range for a pool of " + std::to_string(P) + " slots",
+                  "slots index rows of k_pool/v_pool; use a negative slot to skip a token");
+  }
+  if (!reject_duplicates) return;
+  std::vector<std::pair<int64_t, int64_t>> seen;  // (slot, token): grows with T, not P
+  seen.reserve(static_cast<size_t>(T));
+  for (int64_t i = 0; i < T; ++i)
+    if (slots[i] >= 0) seen.emplace_back(slots[i], i);
+  std::sort(seen.begin(), seen.end());
+  for (size_t i = 1; i < seen.size(); ++i)
+    if (seen[i].first == seen[i - 1].first)
+      throw Error("rope_pool_fused: slots[" + std::to_string(seen[i].second) + "] = " +
+                  std::to_string(seen[i].first) + " repeats slots[" +
+                  std::to_string(seen[i - 1].second) +
+                  "]; with check_slots each slot may be written once per call");
+}
+
+}  // namespace detail
 
 void validate_rope_pool(const RopePoolTensors& tensors, const RopePoolParams& params,
                         const CallOptions& options) {

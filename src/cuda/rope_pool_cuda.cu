@@ -157,26 +157,7 @@ void check_slots_on_host(const RopePoolProblem& p, cudaStream_t stream) {
                             cudaMemcpyDeviceToHost, stream),
             "cudaMemcpyAsync (slots)");
   check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (check_slots)");
-  const Index slots{bytes.data(), 1, p.slots.is_int64};
-  // Same checks and messages as the CPU path in src/rope_pool.cpp.
-  for (int64_t i = 0; i < T; ++i) {
-    const int64_t s = slots[i];
-    if (s >= p.pool_size)
-      throw Error("rope_pool_fused: slots[" + std::to_string(i) + "] = " + std::to_string(s) +
-                      " is out of range for a pool of " + std::to_string(p.pool_size) + " slots",
-                  "slots index rows of k_pool/v_pool; use a negative slot to skip a token");
-  }
-  std::vector<std::pair<int64_t, int64_t>> seen;
-  seen.reserve(size_t(T));
-  for (int64_t i = 0; i < T; ++i)
-    if (slots[i] >= 0) seen.emplace_back(slots[i], i);
-  std::sort(seen.begin(), seen.end());
-  for (size_t i = 1; i < seen.size(); ++i)
-    if (seen[i].first == seen[i - 1].first)
-      throw Error("rope_pool_fused: slots[" + std::to_string(seen[i].second) + "] = " +
-                  std::to_string(seen[i].first) + " repeats slots[" +
-                  std::to_string(seen[i - 1].second) +
-                  "]; with check_slots each slot may be written once per call");
+  check_slot_values(Index{bytes.data(), 1, p.slots.is_int64}, T, p.pool_size, true);
 }
 
 // ---- launch planning ---------------------------------------------------------------------
