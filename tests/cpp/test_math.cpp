@@ -69,16 +69,51 @@ const auto kDtypes = ::testing::Values(DType::Float32, DType::Float16, DType::BF
 const auto kHeads = ::testing::Values(Heads{32, 8}, Heads{8, 8});
 
 INSTANTIATE_TEST_SUITE_P(Small, MathGrid,
-                         ::testing::Combine(kDtypes, ::testing::Values<int64_t>(2, 64, 96, 128, 256), kHeads,
+                         ::testing::Combine(kDtypes, ::testing::Values<int64_t>(2, 64, 80, 96, 128, 200, 256), kHeads,
                                             ::testing::Values<int64_t>(0, 1, 7, 300)),
                          grid_name);
 
 // Enough tokens to cross any multithreading threshold of the CPU backend (its work is
-// split by tokens and heads); odd so that no split comes out even.
+// split by tokens and heads); odd so that no split comes out even. Fewer head shapes than
+// the small grid: these dominate the run time under the sanitizers.
 INSTANTIATE_TEST_SUITE_P(ManyTokens, MathGrid,
-                         ::testing::Combine(kDtypes, ::testing::Values<int64_t>(2, 96, 128), kHeads,
+                         ::testing::Combine(kDtypes, ::testing::Values<int64_t>(2, 96), ::testing::Values(Heads{32, 8}),
                                             ::testing::Values<int64_t>(4999)),
                          grid_name);
+INSTANTIATE_TEST_SUITE_P(ManyTokensMHA, MathGrid,
+                         ::testing::Combine(kDtypes, ::testing::Values<int64_t>(128), ::testing::Values(Heads{8, 8}),
+                                            ::testing::Values<int64_t>(4999)),
+                         grid_name);
+
+// --- rounding -------------------------------------------------------------------------------
+
+using RoundingParam = std::tuple<DType, int64_t>;  // dtype, head_dim
+class Rounding : public SeededTest, public ::testing::WithParamInterface<RoundingParam> {};
+
+// float16/bfloat16 results are rounded to nearest, not truncated (Highway's bfloat16
+// DemoteTo truncates, so this guards the vector conversions of the CPU backend).
+TEST_P(Rounding, SixteenBitOutputsRoundToNearest) {
+  const auto [dtype, head_dim] = GetParam();
+  Shape s;
+  s.dtype = dtype;
+  s.head_dim = head_dim;
+  s.num_tokens = 300;
+  s.num_qo_heads = 16;
+  s.num_kv_heads = 4;
+  s.pool_size = 320;
+  Case c(s);
+  c.randomize(rng);
+  ASSERT_NO_THROW(rope_pool_fused(c.tensors, c.params));
+  EXPECT_EQ(check_rotation("q_out", c.tensors.q, c.tensors.q_out, c.tensors.positions, c.params, true), 0);
+  EXPECT_EQ(check_rotation("k_out", c.tensors.k, c.tensors.k_out, c.tensors.positions, c.params, true), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(HalfDtypes, Rounding,
+                         ::testing::Combine(::testing::Values(DType::Float16, DType::BFloat16),
+                                            ::testing::Values<int64_t>(2, 80, 128)),
+                         [](const ::testing::TestParamInfo<RoundingParam>& info) {
+                           return dtype_str(std::get<0>(info.param)) + "_D" + std::to_string(std::get<1>(info.param));
+                         });
 
 // --- rope_base, negative positions ---------------------------------------------------------
 
@@ -147,17 +182,20 @@ TEST_P(Positions, AllNearTwoToTheTwenty) {
 
 // --- non-finite inputs (SPEC §3) -----------------------------------------------------------
 
+using NonFiniteParam = std::tuple<DType, int64_t>;  // dtype, head_dim
+class NonFinite : public SeededTest, public ::testing::WithParamInterface<NonFiniteParam> {};
+
 // NaN/Inf in q/k/v propagate as in the float64 math (a NaN reaches exactly the two elements
 // of its pair), and never change which pool rows are written; v rows, NaN payloads
 // included, reach the pool bit for bit.
-TEST_P(Positions, NanAndInfPropagateAndDoNotChangeWrittenRows) {
-  const DType dtype = GetParam();
+TEST_P(NonFinite, NanAndInfPropagateAndDoNotChangeWrittenRows) {
+  const auto [dtype, head_dim] = GetParam();
   Shape s;
   s.dtype = dtype;
   s.num_tokens = 300;
   s.num_qo_heads = 8;
   s.num_kv_heads = 4;
-  s.head_dim = 64;
+  s.head_dim = head_dim;
   s.pool_size = 350;
   Case c(s);
   c.randomize(rng);
@@ -178,6 +216,13 @@ TEST_P(Positions, NanAndInfPropagateAndDoNotChangeWrittenRows) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, Positions, kDtypes, [](const auto& info) { return dtype_str(info.param); });
+
+// Head sizes whose half is and is not a whole number of SIMD vectors (scalar tails).
+INSTANTIATE_TEST_SUITE_P(Dtypes, NonFinite,
+                         ::testing::Combine(kDtypes, ::testing::Values<int64_t>(2, 64, 80, 200)),
+                         [](const ::testing::TestParamInfo<NonFiniteParam>& info) {
+                           return dtype_str(std::get<0>(info.param)) + "_D" + std::to_string(std::get<1>(info.param));
+                         });
 
 }  // namespace
 }  // namespace ropepool::test

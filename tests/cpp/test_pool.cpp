@@ -205,7 +205,7 @@ TEST_P(PoolWrites, EmptyBatchWritesNothing) {
 // (no heads mixed from different tokens), also when threads share the work.
 TEST_P(PoolWrites, DuplicateSlotsWithoutCheckingHoldOneTokensRow) {
   ThreadCountGuard guard;
-  for (int threads : {1, 2, 4}) {
+  for (int threads : {1, 3}) {
     SCOPED_TRACE(std::to_string(threads) + " threads");
     set_cpu_num_threads(threads);
     Case c(shape(4999, 5100));
@@ -214,6 +214,27 @@ TEST_P(PoolWrites, DuplicateSlotsWithoutCheckingHoldOneTokensRow) {
     for (int64_t t = 0; t < 4999; ++t)
       if (rng.chance(1.0 / 3)) c.set_slot(t, 5097 + rng.integer(0, 2));
     run_and_check(c);
+  }
+}
+
+// A decode batch: few tokens, many heads, so the CPU backend may split one token's heads
+// across threads; tokens sharing a slot must still leave one token's complete row.
+TEST_P(PoolWrites, DuplicateSlotsInDecodeBatchHoldOneTokensRow) {
+  ThreadCountGuard guard;
+  for (int threads : {2, 8}) {
+    SCOPED_TRACE(std::to_string(threads) + " threads");
+    set_cpu_num_threads(threads);
+    for (int repeat = 0; repeat < 16; ++repeat) {
+      Shape s = shape(2 + repeat % 3, 3);
+      s.num_qo_heads = 64;
+      s.num_kv_heads = 16;
+      s.head_dim = 256;
+      Case c(s);
+      c.randomize(rng);
+      for (int64_t t = 0; t < c.num_tokens(); ++t) c.set_slot(t, 1);
+      run_and_check(c);
+      if (::testing::Test::HasFailure()) return;
+    }
   }
 }
 
@@ -226,6 +247,33 @@ TEST_P(PoolWrites, AllTokensOnOneRow) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, PoolWrites, kDtypes, [](const auto& info) { return dtype_str(info.param); });
 
+// --- in place -------------------------------------------------------------------------------
+
+// SPEC §4 inplace=True: q_out/k_out are q/k themselves (here views into a fused QKV
+// buffer). The result is the same, bit for bit, as with separate outputs.
+TEST_P(PoolWrites, InPlaceMatchesSeparateOutputs) {
+  ThreadCountGuard guard;
+  for (int threads : {1, 2}) {
+    SCOPED_TRACE(std::to_string(threads) + " threads");
+    set_cpu_num_threads(threads);
+    Shape s = shape(1000, 1100);
+    Layout l;
+    l.qkv = QkvLayout::Fused;
+    Case c(s, l);
+    c.randomize(rng);
+    auto twin = dense_twin(c, rng);
+    c.tensors.q_out = c.tensors.q;
+    c.tensors.k_out = c.tensors.k;
+    run_and_check(*twin);
+    ASSERT_NO_THROW(rope_pool_fused(c.tensors, c.params));
+    EXPECT_EQ(count_bit_differences(c.tensors.q, twin->tensors.q_out), 0) << "q rotated in place";
+    EXPECT_EQ(count_bit_differences(c.tensors.k, twin->tensors.k_out), 0) << "k rotated in place";
+    EXPECT_EQ(count_bit_differences(c.tensors.v, twin->tensors.v), 0) << "v must not change";
+    EXPECT_EQ(count_bit_differences(c.tensors.k_pool, twin->tensors.k_pool), 0);
+    EXPECT_EQ(count_bit_differences(c.tensors.v_pool, twin->tensors.v_pool), 0);
+  }
+}
+
 // --- threads -------------------------------------------------------------------------------
 
 class Threads : public SeededTest, public ::testing::WithParamInterface<DType> {};
@@ -236,15 +284,15 @@ TEST_P(Threads, BitIdenticalForAnyThreadCount) {
   Shape s;
   s.dtype = GetParam();
   s.num_tokens = 4999;
-  s.num_qo_heads = 16;
-  s.num_kv_heads = 4;
+  s.num_qo_heads = 8;
+  s.num_kv_heads = 2;
   s.head_dim = 128;
   s.pool_size = 6000;
   Case c(s);
   c.randomize(rng);
   const Snapshot initial = c.snapshot();
   std::vector<std::vector<uint8_t>> first;
-  for (int threads : {1, 2, 3, 8}) {
+  for (int threads : {1, 2, 3}) {
     SCOPED_TRACE(std::to_string(threads) + " threads");
     set_cpu_num_threads(threads);
     ASSERT_EQ(cpu_num_threads(), threads);
@@ -266,11 +314,11 @@ TEST_P(Threads, BitIdenticalForAnyThreadCount) {
 TEST_P(Threads, ConcurrentCallers) {
   Shape s;
   s.dtype = GetParam();
-  s.num_tokens = 2000;
+  s.num_tokens = 1000;
   s.num_qo_heads = 16;
   s.num_kv_heads = 4;
   s.head_dim = 128;
-  s.pool_size = 2100;
+  s.pool_size = 1100;
   constexpr int kCallers = 3;
   std::vector<std::unique_ptr<Case>> cases;
   std::vector<Snapshot> before;

@@ -575,8 +575,12 @@ inline void expect_unchanged(const Case& c, const Snapshot& before) {
 /// Checks every element of `out` against the float64 rotation of `in` (SPEC §1 bound).
 /// Non-finite exact values must come out the same (NaN stays NaN, +-Inf stays itself).
 /// Returns the number of bad elements; reports the first few.
+/// With `round_to_nearest`, float16/bfloat16 outputs must also be the float32 result
+/// rounded to nearest (SPEC §1 "rounded once"): within half an ulp plus the float32 term,
+/// which a truncating conversion misses.
 inline int64_t check_rotation(const char* what, const TensorView& in, const TensorView& out,
-                              const TensorView& positions, const RopePoolParams& params) {
+                              const TensorView& positions, const RopePoolParams& params,
+                              bool round_to_nearest = false) {
   const RopeSchedule schedule = make_rope_schedule(params);
   const int64_t T = in.shape[0], H = in.shape[1], D = in.shape[2], half = schedule.rotary_dim / 2;
   int64_t bad = 0;
@@ -604,6 +608,10 @@ inline int64_t check_rotation(const char* what, const TensorView& in, const Tens
               pair = std::abs(load(in, t, h, lo)) + std::abs(load(in, t, h, lo + half));
             }
             tol = reference::tolerance(out.dtype, want, pair);
+            if (round_to_nearest && out.dtype != DType::Float32) {
+              const double float32_term = std::ldexp(pair, -18);
+              tol = 0.5 * reference::tolerance(out.dtype, std::abs(want) + float32_term, 0) + float32_term;
+            }
             ok = std::abs(got - want) <= tol;
           }
           if (!ok && ++bad <= 5)

@@ -46,9 +46,10 @@ struct Mutation {
   bool has_hint;        // src/rope_pool.cpp attaches a hint
 };
 
-// In SPEC §2 order: the 11 contract checks, then the extended ones in the order of the
-// implementation (positions/slots dtype, head_dim, head counts, rope_base, float dtype,
-// devices, q_out/k_out, last-dimension stride, overlapping outputs, slot range).
+// In SPEC §2 order: the 11 contract checks, then the extended ones SPEC §2 lists
+// (positions/slots dtype, head_dim, rope_base, float dtype, devices, layout, slot range).
+// The head-count and q_out/k_out checks are not in the SPEC list: they sit where the
+// implementation has them, and the order test only requires them after the 11.
 const std::vector<Mutation>& mutations() {
   static const std::vector<Mutation> all = {
       {"qkv_not_3d", [](Case& c) { add_unit_dim(c.tensors.q); },
@@ -202,6 +203,13 @@ const std::vector<Mutation>& mutations() {
   return all;
 }
 
+// Checks SPEC §2 gives no place among the extended ones.
+bool has_spec_position(const Mutation& m) {
+  const std::string n = m.name;
+  return n != "no_qo_heads" && n != "q_out_shape" && n != "k_out_dtype";
+}
+constexpr size_t kContractChecks = 11;
+
 const Mutation& mutation(const std::string& name) {
   for (const Mutation& m : mutations())
     if (m.name == name) return m;
@@ -213,14 +221,28 @@ class Validation : public SeededTest {
   /// Expects both entry points to reject `c` with exactly `message` and to write nothing.
   /// Returns the rope_pool_fused error for further checks.
   Thrown expect_rejected(Case& c, const std::string& message, const CallOptions& options = {}) {
+    return expect_rejected_with_one_of(c, {message}, options);
+  }
+
+  /// As expect_rejected, where any of `messages` is right.
+  Thrown expect_rejected_with_one_of(Case& c, const std::vector<std::string>& messages,
+                                     const CallOptions& options = {}) {
+    const auto allowed = [&](const std::string& what) {
+      return std::find(messages.begin(), messages.end(), what) != messages.end();
+    };
+    std::string expected = messages.front();
+    for (size_t i = 1; i < messages.size(); ++i) expected += "\n  or: " + messages[i];
     const Snapshot before = c.snapshot();
     const Thrown validated = thrown_by([&] { validate_rope_pool(c.tensors, c.params, options); });
     EXPECT_TRUE(validated.error) << validated.other;
-    EXPECT_EQ(validated.what, message) << "from validate_rope_pool";
+    EXPECT_TRUE(allowed(validated.what)) << "validate_rope_pool said\n  " << validated.what
+                                         << "\nexpected\n  " << expected;
     expect_unchanged(c, before);
     const Thrown called = thrown_by([&] { rope_pool_fused(c.tensors, c.params, options); });
     EXPECT_TRUE(called.error) << called.other;
-    EXPECT_EQ(called.what, message) << "from rope_pool_fused";
+    EXPECT_TRUE(allowed(called.what)) << "rope_pool_fused said\n  " << called.what << "\nexpected\n  "
+                                      << expected;
+    EXPECT_EQ(called.what, validated.what);
     EXPECT_EQ(called.hint, validated.hint);
     if (!called.hint.empty()) {
       EXPECT_EQ(called.what.find(called.hint), std::string::npos) << "the hint leaked into what()";
@@ -265,20 +287,23 @@ INSTANTIATE_TEST_SUITE_P(Spec2, EachCheck, ::testing::Range<size_t>(0, mutations
                          [](const auto& info) { return std::string(mutations()[info.param].name); });
 
 // A call that breaks two checks reports the earlier one (SPEC §2 order), for every pair.
+// Where SPEC §2 does not order the two (a check it does not list, after the 11 contract
+// ones), either message is right, but it must be one of the two and nothing is written.
 TEST_F(Validation, FirstFailingCheckWinsForEveryPair) {
   const auto& all = mutations();
   for (size_t i = 0; i < all.size(); ++i)
     for (size_t j = i + 1; j < all.size(); ++j) {
       SCOPED_TRACE(std::string(all[i].name) + " + " + all[j].name);
-      auto c = fresh();
-      all[i].apply(*c);
-      all[j].apply(*c);
-      expect_rejected(*c, all[i].message(*c));
-      // Applied in the other order the earlier check still wins.
-      auto r = fresh();
-      all[j].apply(*r);
-      all[i].apply(*r);
-      expect_rejected(*r, all[i].message(*r));
+      const bool ordered = i < kContractChecks || (has_spec_position(all[i]) && has_spec_position(all[j]));
+      for (bool i_first : {true, false}) {  // the order the mutations are applied in
+        auto c = fresh();
+        (i_first ? all[i] : all[j]).apply(*c);
+        (i_first ? all[j] : all[i]).apply(*c);
+        if (ordered)
+          expect_rejected(*c, all[i].message(*c));
+        else
+          expect_rejected_with_one_of(*c, {all[i].message(*c), all[j].message(*c)});
+      }
     }
 }
 
