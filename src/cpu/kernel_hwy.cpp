@@ -281,7 +281,7 @@ HWY_INLINE void RotateRowBF16(const uint16_t* x, uint16_t* out, uint16_t* out2,
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const int64_t half = rotary_dim / 2;
   const size_t vec_bytes = size_t(2 * N) * sizeof(uint16_t);
-  bool stream_here = stream && size_t(half) * sizeof(uint16_t) % vec_bytes == 0 &&
+  const bool stream_here = stream && size_t(half) * sizeof(uint16_t) % vec_bytes == 0 &&
                      Aligned(out, vec_bytes) && (out2 == nullptr || Aligned(out2, vec_bytes));
   int64_t i = 0;
   for (; i + 2 * N <= half; i += 2 * N) {
