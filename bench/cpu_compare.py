@@ -11,7 +11,9 @@ max(65536, 4T) slots, distinct random slots with ~5% set to -1, random positions
 int32 positions/slots. Both sides run with the same thread count (torch.set_num_threads and
 ropepool.set_num_threads). Small T rotate among several input sets so caches do not
 flatter either side. Calls alternate between the two (ropepool, torch, torch, ropepool, ...)
-so drift in machine load hits both alike.
+so drift in machine load hits both alike. The speedup compares the default calls (both
+allocate their outputs). A last column times ropepool with ``inplace=True`` (q_rot/k_rot
+written into q/k, no allocation) to show what the output allocation costs.
 
 Before timing, both results are compared: q_rot/k_rot within 2 units in the last place of
 the dtype (each side rounds once from float32, with different float32 sin/cos), every pool
@@ -108,7 +110,9 @@ def torch_eager(q, k, v, positions, slots, k_pool, v_pool, inv_freq64):
     return q_rot, k_rot, k_pool, v_pool
 
 
-def ropepool_call(q, k, v, positions, slots, k_pool, v_pool, shape):
+def ropepool_call(q, k, v, positions, slots, k_pool, v_pool, shape, inplace=False):
+    if inplace:
+        shape = dict(shape, inplace=True)
     return ropepool.rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, **shape)
 
 
@@ -214,6 +218,11 @@ def run_tokens(T, args, dtype, threads, log):
     def run_torch(s):
         return torch_eager(s["q"], s["k"], s["v"], s["positions"], s["slots"], *t_pools, inv_freq64)
 
+    def run_ropepool_inplace(s):
+        # q/k are overwritten with their rotation: timing only (each call rotates again)
+        return ropepool_call(s["q"], s["k"], s["v"], s["positions"], s["slots"], *r_pools, shape,
+                             inplace=True)
+
     # Agreement on the first set, before either side has touched the pools.
     log(f"T={T}: checking that ropepool and torch eager agree")
     problems = check_agreement(sets[0], run_ropepool(sets[0]), run_torch(sets[0]), k_pool0, v_pool0)
@@ -225,24 +234,35 @@ def run_tokens(T, args, dtype, threads, log):
     for s in sets[:3]:  # warm-up
         run_ropepool(s)
         run_torch(s)
-    r_samples, t_samples = [], []
+    samples = {run_ropepool: [], run_torch: []}
     start = time.perf_counter()
     i = 0
-    while len(r_samples) < args.min_calls or time.perf_counter() - start < args.seconds:
+    while len(samples[run_ropepool]) < args.min_calls or time.perf_counter() - start < args.seconds:
         s = sets[i % n_sets]
         order = (run_ropepool, run_torch) if i % 2 == 0 else (run_torch, run_ropepool)
         for fn in order:
             t0 = time.perf_counter()
             fn(s)
-            (r_samples if fn is run_ropepool else t_samples).append(time.perf_counter() - t0)
+            samples[fn].append(time.perf_counter() - t0)
         i += 1
-        if len(r_samples) >= 200000:
+        if len(samples[run_ropepool]) >= 200000:
             break
-    r, t = summarize(r_samples), summarize(t_samples)
+    # Then ropepool with inplace=True (no q_rot/k_rot allocation): after the comparison,
+    # because it overwrites q and k.
+    inplace_samples = []
+    for j in range(len(samples[run_ropepool])):
+        s = sets[j % n_sets]
+        t0 = time.perf_counter()
+        run_ropepool_inplace(s)
+        inplace_samples.append(time.perf_counter() - t0)
     nbytes = bytes_per_call(T, args, dtype)
+
+    def with_gbps(stats):
+        return dict(stats, gbps=nbytes / (stats["median_us"] * 1e-6) * 1e-9 if stats["median_us"] else 0.0)
+
+    r, t = with_gbps(summarize(samples[run_ropepool])), with_gbps(summarize(samples[run_torch]))
     return dict(tokens=T, pool_slots=pool_slots, input_sets=n_sets, agree=True, bytes_per_call=nbytes,
-                ropepool=dict(r, gbps=nbytes / (r["median_us"] * 1e-6) * 1e-9 if r["median_us"] else 0.0),
-                torch_eager=dict(t, gbps=nbytes / (t["median_us"] * 1e-6) * 1e-9 if t["median_us"] else 0.0),
+                ropepool=r, torch_eager=t, ropepool_inplace=with_gbps(summarize(inplace_samples)),
                 speedup=t["median_us"] / r["median_us"] if r["median_us"] else float("nan"))
 
 
@@ -265,7 +285,8 @@ def main(argv=None):
           f"head_dim {args.head_dim}, rope_base {args.rope_base:g}, int32 positions below 2^17 and slots, "
           f"~5% slots -1\n", flush=True)
     header = (f"{'tokens':>7} {'sets':>5} {'calls':>7}  {'ropepool_us':>12} {'(p10-p90)':>19}  "
-              f"{'torch_us':>12} {'(p10-p90)':>21}  {'rp GB/s':>8} {'pt GB/s':>8}  {'speedup':>8}")
+              f"{'torch_us':>12} {'(p10-p90)':>21}  {'rp GB/s':>8} {'pt GB/s':>8}  {'speedup':>8}  "
+              f"{'inplace_us':>11} {'GB/s':>6}")
     print(header, flush=True)
 
     results = []
@@ -283,7 +304,8 @@ def main(argv=None):
         print(f"{T:>7} {res['input_sets']:>5} {r['calls']:>7}  {r['median_us']:>12.2f} "
               f"({r['p10_us']:>8.2f}-{r['p90_us']:>8.2f})  {t['median_us']:>12.2f} "
               f"({t['p10_us']:>9.2f}-{t['p90_us']:>9.2f})  {r['gbps']:>8.2f} {t['gbps']:>8.2f}  "
-              f"{res['speedup']:>7.2f}x", flush=True)
+              f"{res['speedup']:>7.2f}x  {res['ropepool_inplace']['median_us']:>11.2f} "
+              f"{res['ropepool_inplace']['gbps']:>6.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(date=date, cpu=cpu_model(), threads=threads, dtype=args.dtype,
