@@ -442,8 +442,6 @@ int run_bench(Args& args) {
       args.unknown(o);
     }
   }
-  if (cfg.params.num_qo_heads % cfg.params.num_kv_heads)
-    throw UsageError{"--num-qo-heads must be a multiple of --num-kv-heads"};
   set_cpu_num_threads(cfg.threads);
 
   const size_t l3 = l3_cache_bytes();
