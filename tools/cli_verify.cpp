@@ -228,7 +228,8 @@ std::string run_case(const Case& c) {
     return std::string("unexpected exception: ") + e.what();
   }
 
-  const bool inputs_same = std::memcmp(qkv.data(), qkv_before.data(), qkv_before.size()) == 0;
+  const bool inputs_same =
+      qkv_before.empty() || std::memcmp(qkv.data(), qkv_before.data(), qkv_before.size()) == 0;
   if (!inputs_same) return "q/k/v were modified";
 
   if (expect_error) {
