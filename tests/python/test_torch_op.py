@@ -169,3 +169,16 @@ def test_cuda_side_stream_and_graph_replay(rng):
     assert_within_bound(q_rot, case.q, case.positions, case.rope_base, "q_rot")
     assert_within_bound(k_rot, case.k, case.positions, case.rope_base, "k_rot")
     assert_pool_writes(case, k_rot)
+
+
+def test_fake_tensors_take_the_custom_op(rng):
+    """Eager calls on plain tensors skip the dispatcher; tensor subclasses (here FakeTensor,
+    as torch.export and compile tracing see them) still go through the op's fake kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    case = make_case("torch", "bfloat16", rng, T=5, Hq=4, Hk=2, D=64, P=16)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(x) for x in case.args()]
+        q_rot, k_rot, k_pool, v_pool = ropepool.rope_pool_fused(*fake, **case.kwargs())
+        assert q_rot.shape == case.q.shape and k_rot.shape == case.k.shape
+        assert k_pool is fake[5] and v_pool is fake[6]
