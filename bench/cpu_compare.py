@@ -38,6 +38,9 @@ import time
 
 import torch
 
+from torch_reference import make_inv_freq
+from torch_reference import torch_rope_pool as torch_eager
+
 try:
     import ropepool
 except ImportError as e:  # pragma: no cover - a set-up problem, not a benchmark result
@@ -80,35 +83,6 @@ def parse_args(argv=None):
 
 
 # --- the two contenders -----------------------------------------------------------------
-
-def make_inv_freq(head_dim: int, rope_base: float) -> torch.Tensor:
-    """inv_freq[i] = rope_base ** (-2i / head_dim) in float64 (as ropepool's schedule)."""
-    i = torch.arange(head_dim // 2, dtype=torch.float64)
-    return rope_base ** (-2.0 * i / head_dim)
-
-
-def torch_eager(q, k, v, positions, slots, k_pool, v_pool, inv_freq64):
-    """The unfused PyTorch path a model would run: rotate in float32, cast, index_copy_."""
-    half = q.shape[-1] // 2
-    theta = positions.to(torch.float64)[:, None] * inv_freq64[None, :]  # [T, D/2], exact enough
-    cos = torch.cos(theta).to(torch.float32)
-    sin = torch.sin(theta).to(torch.float32)
-    cos = torch.cat((cos, cos), dim=-1)[:, None, :]  # [T, 1, D]
-    sin = torch.cat((sin, sin), dim=-1)[:, None, :]
-
-    def rotate(x):
-        xf = x.to(torch.float32)
-        rotated_half = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-        return (xf * cos + rotated_half * sin).to(x.dtype)
-
-    q_rot = rotate(q)
-    k_rot = rotate(k)
-    written = slots >= 0
-    rows = slots[written].to(torch.int64)
-    k_pool.index_copy_(0, rows, k_rot[written])
-    v_pool.index_copy_(0, rows, v[written])
-    return q_rot, k_rot, k_pool, v_pool
-
 
 def ropepool_call(q, k, v, positions, slots, k_pool, v_pool, shape, inplace=False):
     if inplace:

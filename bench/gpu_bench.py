@@ -44,6 +44,9 @@ import time
 
 import torch
 
+from torch_reference import make_inv_freq
+from torch_reference import torch_rope_pool as reference_rope_pool
+
 try:
     import ropepool
 except ImportError as e:  # still time the baselines, say why ropepool is missing
@@ -75,32 +78,11 @@ def parse_args(argv=None):
 
 # --- the contenders ---------------------------------------------------------------------------
 
-def make_inv_freq(head_dim, rope_base, device):
-    i = torch.arange(head_dim // 2, dtype=torch.float64, device=device)
-    return rope_base ** (-2.0 * i / head_dim)
-
-
 def torch_rope_pool(q, k, v, positions, slots, k_pool, v_pool, inv_freq64):
-    """The unfused PyTorch path: float64 angles (as accurate as ropepool), float32 rotation,
-    one rounding to the dtype, index_copy_ into the pools (slots all >= 0: no host sync)."""
-    half = q.shape[-1] // 2
-    theta = positions.to(torch.float64)[:, None] * inv_freq64[None, :]
-    cos = torch.cos(theta).to(torch.float32)
-    sin = torch.sin(theta).to(torch.float32)
-    cos = torch.cat((cos, cos), dim=-1)[:, None, :]
-    sin = torch.cat((sin, sin), dim=-1)[:, None, :]
-
-    def rotate(x):
-        xf = x.to(torch.float32)
-        rotated_half = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-        return (xf * cos + rotated_half * sin).to(x.dtype)
-
-    q_rot = rotate(q)
-    k_rot = rotate(k)
-    rows = slots.to(torch.int64)
-    k_pool.index_copy_(0, rows, k_rot)
-    v_pool.index_copy_(0, rows, v)
-    return q_rot, k_rot, k_pool, v_pool
+    """The eager contender (and what torch.compile compiles): every benchmark slot is >= 0,
+    so no boolean mask and no host synchronisation."""
+    return reference_rope_pool(q, k, v, positions, slots, k_pool, v_pool, inv_freq64,
+                               skip_negative_slots=False)
 
 
 # --- workload ----------------------------------------------------------------------------------
