@@ -1,6 +1,7 @@
 // Validation and dispatch of rope_pool_fused: the one place that decides whether a call is
 // valid (SPEC §2, §3). Backends receive a checked RopePoolProblem and only assert.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <utility>
 #include <vector>
@@ -82,13 +83,20 @@ struct Checker {
   }
 
   // The checks SPEC §2 lists after the contract ones, in its order.
-  void extended(RopeSchedule& schedule) const {
+  // `made` receives a schedule made from the parameters; a precomputed one is only checked.
+  const RopeSchedule* extended(RopeSchedule& made) const {
     for (auto [a, v] : {std::pair{Arg::positions, &t.positions}, {Arg::slots, &t.slots}})
       if (v->dtype != DType::Int32 && v->dtype != DType::Int64)
         fail(std::string("rope_pool_fused: ") + arg_name(a) + " must be int32 or int64, got " +
              dtype_name(v->dtype));
     // head_dim, rope_base and the SPEC §4 schedule arguments, in that order
-    schedule = p.schedule ? use_precomputed_schedule(p, *p.schedule) : make_rope_schedule(p);
+    const RopeSchedule* schedule = &made;
+    if (p.schedule) {
+      check_precomputed_schedule(p, *p.schedule);
+      schedule = p.schedule;
+    } else {
+      made = make_rope_schedule(p);
+    }
     if (p.num_qo_heads <= 0 || p.num_kv_heads <= 0)
       fail("rope_pool_fused: num_qo_heads and num_kv_heads must be > 0, got " +
            std::to_string(p.num_qo_heads) + " and " + std::to_string(p.num_kv_heads));
@@ -98,6 +106,7 @@ struct Checker {
     devices();
     outputs();
     layouts();
+    return schedule;
   }
 
   void devices() const {
@@ -144,10 +153,11 @@ struct Checker {
              "; every element it receives needs its own memory");
   }
 
-  std::vector<std::pair<Arg, const TensorView*>> all() const {
-    return {{Arg::q, &t.q},           {Arg::k, &t.k},         {Arg::v, &t.v},
+  // Every tensor argument, for the per-argument checks (no allocation on the call path).
+  std::array<std::pair<Arg, const TensorView*>, 9> all() const {
+    return {{{Arg::q, &t.q},           {Arg::k, &t.k},         {Arg::v, &t.v},
             {Arg::positions, &t.positions}, {Arg::slots, &t.slots}, {Arg::k_pool, &t.k_pool},
-            {Arg::v_pool, &t.v_pool}, {Arg::q_out, &t.q_out}, {Arg::k_out, &t.k_out}};
+            {Arg::v_pool, &t.v_pool}, {Arg::q_out, &t.q_out}, {Arg::k_out, &t.k_out}}};
   }
 
   static bool same_shape(const TensorView& a, const TensorView& b) {
@@ -190,17 +200,18 @@ detail::Index index(const TensorView& v) {
   return {v.data, v.strides[0], v.dtype == DType::Int64};
 }
 
-// Everything a call needs, checked: the kernel-facing problem and the schedule it points to.
+// Everything a call needs, checked: the kernel-facing problem, and the schedule made for
+// it when the caller passed none (problem.inv_freq points into it or into the caller's).
 struct Checked {
   detail::RopePoolProblem problem;
-  RopeSchedule schedule;
+  RopeSchedule made_schedule;
 };
 
 Checked check(const RopePoolTensors& t, const RopePoolParams& p, const CallOptions& o) {
   Checker c{t, p, o};
   Checked out;
   c.contract();
-  c.extended(out.schedule);
+  const RopeSchedule* schedule = c.extended(out.made_schedule);
   detail::RopePoolProblem& problem = out.problem;
   problem.dtype = t.q.dtype;
   problem.num_tokens = t.q.shape[0];
@@ -220,9 +231,9 @@ Checked check(const RopePoolTensors& t, const RopePoolParams& p, const CallOptio
   problem.check_slots = o.check_slots;
   problem.stream = o.stream;
   problem.interleaved = p.interleaved;
-  problem.rotary_dim = out.schedule.rotary_dim;
-  problem.inv_freq = out.schedule.inv_freq.data();
-  problem.attention_scaling = out.schedule.attention_scaling;
+  problem.rotary_dim = schedule->rotary_dim;
+  problem.inv_freq = schedule->inv_freq.data();
+  problem.attention_scaling = schedule->attention_scaling;
   if (t.q.device.type == DeviceType::CPU)
     detail::check_slot_values(problem.slots, problem.num_tokens, problem.pool_size,
                               o.check_slots);

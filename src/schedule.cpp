@@ -180,14 +180,13 @@ void check_finite(const RopeSchedule& s) {
 
 }  // namespace
 
-RopeSchedule use_precomputed_schedule(const RopePoolParams& params, const RopeSchedule& schedule) {
+void check_precomputed_schedule(const RopePoolParams& params, const RopeSchedule& schedule) {
   const int64_t R = check_rope_params(params);
   if (schedule.rotary_dim != R || int64_t(schedule.inv_freq.size()) != R / 2)
     fail("the precomputed schedule is for rotary_dim " + std::to_string(schedule.rotary_dim) +
          " with " + std::to_string(schedule.inv_freq.size()) +
          " frequencies, but this call rotates " + std::to_string(R) + " elements");
   check_finite(schedule);
-  return schedule;
 }
 
 const char* rope_type_name(RopeType type) {

@@ -21,7 +21,7 @@ struct RopeSchedule {
 RopeSchedule make_rope_schedule(const RopePoolParams& params);
 
 /// Checks a schedule passed as RopePoolParams::schedule against the call (head_dim, its
-/// rotary_dim, finite values) and returns a copy of it.
-RopeSchedule use_precomputed_schedule(const RopePoolParams& params, const RopeSchedule& schedule);
+/// rotary_dim, finite values); the call then reads it in place.
+void check_precomputed_schedule(const RopePoolParams& params, const RopeSchedule& schedule);
 
 }  // namespace ropepool
