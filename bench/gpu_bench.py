@@ -21,10 +21,14 @@ Contenders, all computing the same function:
 Before timing, ropepool's outputs are checked against eager's (q_rot/k_rot within 2 ulp,
 pool rows bit-identical to k_rot / v, nothing else in the pools changed).
 
-Timing: plain stream: median over batches of calls timed with CUDA events, inputs rotated
-among several input sets so the 60 MB L2 does not hold them all (a decode step reads its
-inputs from L2 in practice, so small T may still hit L2); CUDA graph (T <= 256): 20 calls
-over rotating sets captured once, the median replay divided by 20.
+Timing: plain stream: median GPU time per call over batches of back-to-back calls timed with
+CUDA events, a GPU spin queued before each batch so the host's enqueueing does not show
+(GpuTimer; samples where the host still fell behind are counted and reported), inputs
+rotated among several input sets so the 60 MB L2 does not hold them all (a decode step reads
+its inputs from L2 in practice, so small T may still hit L2); "call us": the wall time of one
+Python call with the host included (batches of 20 calls ended by a synchronisation); CUDA
+graph (T <= 256): 20 calls over rotating sets captured once, the median GPU time of a replay
+divided by 20.
 Effective bandwidth counts T * D * elem * (2 * Hq + 5 * Hk) + index bytes: q, k, v read,
 q_rot, k_rot, k_pool and v_pool rows written.
 
@@ -171,8 +175,38 @@ def check(w, compiled):
 
 # --- timing ------------------------------------------------------------------------------------
 
+class GpuTimer:
+    """CUDA events around a batch of enqueued work, with a GPU spin (torch.cuda._sleep) queued
+    first: the GPU stays busy while the host enqueues the batch, so the events time the GPU's
+    work and not the host's Python/dispatch cost (as nvbench's blocking kernel does). If the
+    GPU reached the first event before the host had finished enqueueing, the sample is
+    retaken with twice the spin; `host_bound` counts samples that never got there."""
+
+    def __init__(self, spin_seconds):
+        self.spin_cycles = int(max(spin_seconds, 20e-6) * 2.0e9)  # SM clock <= 2 GHz
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.host_bound = 0
+
+    def __call__(self, enqueue):
+        for attempt in range(5):
+            torch.cuda._sleep(self.spin_cycles)
+            self.start.record()
+            enqueue()
+            self.end.record()
+            kept_up = not self.start.query()
+            self.end.synchronize()
+            if kept_up:
+                break
+            self.spin_cycles *= 2
+        else:
+            self.host_bound += 1
+        return self.start.elapsed_time(self.end) * 1e-3
+
+
 def time_stream(fn, w, seconds):
-    """Median seconds per call: batches of calls between CUDA events, inputs rotating."""
+    """Median GPU seconds per call over batches of back-to-back calls, inputs rotating; and
+    the number of samples where the host could not keep ahead of the GPU."""
     i = 0
     for _ in range(3):
         fn(*w.args_of(i))
@@ -181,24 +215,45 @@ def time_stream(fn, w, seconds):
     t0 = time.perf_counter()
     fn(*w.args_of(i))
     torch.cuda.synchronize()
-    one = max(time.perf_counter() - t0, 1e-6)
+    one = max(time.perf_counter() - t0, 1e-6)  # host + GPU: an upper bound of either
     per_batch = int(min(50, max(1, 0.01 / one)))
     batches = int(min(40, max(5, seconds / (one * per_batch))))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    timer = GpuTimer(1.5 * one * per_batch)
     samples = []
-    for _ in range(batches):
-        start.record()
+
+    def batch():
+        nonlocal i
         for _ in range(per_batch):
             fn(*w.args_of(i))
             i += 1
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3 / per_batch)
-    return statistics.median(samples), samples
+
+    for _ in range(batches):
+        samples.append(timer(batch) / per_batch)
+    return statistics.median(samples), timer.host_bound
+
+
+def time_call(fn, w, calls=200):
+    """Median wall seconds per call as a Python caller sees it (host dispatch included):
+    batches of 20 calls, each batch ended by a synchronisation."""
+    i = 0
+    for _ in range(3):
+        fn(*w.args_of(i))
+        i += 1
+    samples = []
+    for _ in range(max(1, calls // 20)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn(*w.args_of(i))
+            i += 1
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) / 20)
+    return statistics.median(samples)
 
 
 def time_graph(fn, w, calls=20, replays=30):
-    """Median seconds per call of a CUDA graph of `calls` calls over rotating input sets."""
+    """Median GPU seconds per call of a CUDA graph of `calls` calls over rotating input sets
+    (the replay's host submission hidden behind a spin, as in time_stream)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -213,14 +268,8 @@ def time_graph(fn, w, calls=20, replays=30):
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(replays):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3 / calls)
+    timer = GpuTimer(100e-6)
+    samples = [timer(g.replay) / calls for _ in range(replays)]
     del g
     return statistics.median(samples)
 
@@ -294,13 +343,16 @@ def main(argv=None):
             row["problems"], row["notes"] = problems, notes
             problems_all += [f"T={T}: {p}" for p in problems]
             rp = lambda *a: ropepool.rope_pool_fused(*a, **w.shape)  # noqa: E731
-            row["ropepool_us"], _ = time_stream(rp, w, args.seconds)
-            row["ropepool_us"] *= 1e6
+            t, row["ropepool_host_bound_samples"] = time_stream(rp, w, args.seconds)
+            row["ropepool_us"] = t * 1e6
+            row["ropepool_call_us"] = time_call(rp, w) * 1e6
         eager = lambda *a: torch_rope_pool(*a, w.inv_freq64)  # noqa: E731
-        row["eager_us"] = time_stream(eager, w, args.seconds)[0] * 1e6
+        t, row["eager_host_bound_samples"] = time_stream(eager, w, args.seconds)
+        row["eager_us"] = t * 1e6
         if compiled is not None:
             comp = lambda *a: compiled(*a, w.inv_freq64)  # noqa: E731
-            row["compile_us"] = time_stream(comp, w, args.seconds)[0] * 1e6
+            t, row["compile_host_bound_samples"] = time_stream(comp, w, args.seconds)
+            row["compile_us"] = t * 1e6
         row["copy_same_bytes_us"] = copy_same_bytes(w.bytes) * 1e6
         if T <= args.graph_max_tokens:
             if have_ropepool:
@@ -343,17 +395,22 @@ def main(argv=None):
     print()
     print(f"ropepool GPU bench: {props.name}, {args.dtype}, Hq {args.num_qo_heads}, Hk {args.num_kv_heads}, "
           f"D {args.head_dim}; copy ceiling {copy_bps / 1e9:.0f} GB/s (read + write)")
-    print(f"{'T':>6} {'ropepool us':>11} {'GB/s':>6} {'%copy':>6} {'eager us':>9} {'compile us':>10} "
+    print("GPU us per call (host enqueueing hidden; 'call us': wall time of a Python call, host included)")
+    print(f"{'T':>6} {'ropepool us':>11} {'GB/s':>6} {'%copy':>6} {'call us':>8} {'eager us':>9} {'compile us':>10} "
           f"{'x compile':>9} | {'graph: ropepool':>15} {'eager':>7} {'compile':>8}")
     for r in rows:
         speedup = r["compile_us"] / r["ropepool_us"] if "compile_us" in r and "ropepool_us" in r else None
         print(f"{r['T']:>6} {f(r.get('ropepool_us')):>11} {f(r.get('ropepool_GBps'), '{:.0f}'):>6} "
-              f"{f(r.get('ropepool_pct_copy'), '{:.1f}'):>6} {f(r['eager_us']):>9} {f(r.get('compile_us')):>10} "
+              f"{f(r.get('ropepool_pct_copy'), '{:.1f}'):>6} {f(r.get('ropepool_call_us')):>8} {f(r['eager_us']):>9} {f(r.get('compile_us')):>10} "
               f"{f(speedup, '{:.1f}x'):>9} | {f(r.get('ropepool_graph_us')):>15} {f(r.get('eager_graph_us')):>7} "
               f"{f(r.get('compile_graph_us')):>8}")
     for r in layout_rows:
         print(f"T={r['T']}: contiguous q/k/v {r['contiguous_us']:.2f} us, views into a fused QKV "
               f"buffer {r['fused_qkv_us']:.2f} us")
+    host_bound = [f"T={r['T']} {k.split('_')[0]}: {r[k]}" for r in rows for k in r
+                  if k.endswith("host_bound_samples") and r[k]]
+    if host_bound:
+        print("samples where the host fell behind the GPU (timings include host time): " + ", ".join(host_bound))
     if problems_all:
         print("CHECK FAILED:\n  " + "\n  ".join(problems_all))
         return 1

@@ -16,7 +16,8 @@
 #      reference, SPEC §3 slot errors, duplicates, a pool over 4 GiB, CUDA graphs
 #   4. the whole pytest suite (CPU and GPU tests)
 #   5. compute-sanitizer memcheck on the self-test driver (small grid)
-#   6. bench/gpu_bench.py (ropepool vs PyTorch eager, torch.compile, copy)
+#   6. the C++ driver's benchmark (the kernel alone, PDL variants) and bench/gpu_bench.py
+#      (ropepool vs PyTorch eager, torch.compile, copy)
 # Logs go to $OUT (or ./gpu-check-logs): at most 8 files. A summary table is printed last.
 # Exit status: 0 when every step passed.
 set -uo pipefail
@@ -142,10 +143,16 @@ else
   step "compute-sanitizer" 0 "SKIPPED" "no self-test binary or no compute-sanitizer"
 fi
 
-# --- 6: benchmark ---------------------------------------------------------------------------
+# --- 6: benchmarks --------------------------------------------------------------------------
 if [ "${GPU_CHECK_BENCH:-1}" = 0 ]; then
-  step "bench/gpu_bench.py" 0 "SKIPPED" "GPU_CHECK_BENCH=0"
-elif [ "$PIP_RC" = 0 ]; then
+  step "benchmarks" 0 "SKIPPED" "GPU_CHECK_BENCH=0"
+else
+  if [ -x "$SELFTEST" ]; then
+    # The kernel alone from C++ (no Python), with and without PDL.
+    run_step "CUDA C++ bench (self-test --bench)" "$LOGS/selftest.log" 300 "$SELFTEST" --bench
+  fi
+fi
+if [ "${GPU_CHECK_BENCH:-1}" != 0 ] && [ "$PIP_RC" = 0 ]; then
   run_step "bench/gpu_bench.py" "$LOGS/bench.log" 360 \
     bash -c "cd /tmp && OUT='$LOGS' $PY '$ROOT/bench/gpu_bench.py' --json '$LOGS/gpu_bench.json'"
 fi
@@ -156,6 +163,8 @@ for st in "${STATUS[@]}"; do case "$st" in PASS|SKIPPED) ;; *) FAILED=1 ;; esac;
 {
   echo
   echo "ropepool gpu_check: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1), $((SECONDS - START)) s total, logs in $LOGS"
+  [ -f "$LOGS/selftest.log" ] && sed -n '/^=== CUDA C++ bench/,$p' "$LOGS/selftest.log" |
+    grep -E '^(device-to-device|graph replay| +(T|[0-9]+) )'
   [ -f "$LOGS/bench.log" ] && sed -n '/^ropepool GPU bench/,$p' "$LOGS/bench.log"
   echo
   printf '%-52s %-14s %6s  %s\n' "step" "status" "sec" "note"

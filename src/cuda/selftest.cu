@@ -1,6 +1,6 @@
 // GPU self-test and tuning driver of the CUDA backend (not part of the library).
 //
-//   rope_pool_cuda_selftest [--test] [--bench] [--sweep] [--quick] [--json FILE]
+//   rope_pool_cuda_selftest [--test] [--bench] [--sweep] [--tokens T1,T2,..] [--quick] [--json FILE]
 //
 // --sanitize  --test --quick on a smaller grid, for compute-sanitizer.
 // --test   every path (tuned head sizes, generic 16-byte, scalar; NeoX and GPT-J; partial
@@ -8,10 +8,12 @@
 //          reference, every pool row checked bit for bit, untouched rows unchanged, SPEC §3
 //          (out-of-range slots with and without check_slots, duplicates), a pool over 4 GiB,
 //          CUDA-graph capture and replay. Small enough for compute-sanitizer (--quick).
-// --bench  the default workload (Llama-3-8B: bf16, Hq 32, Hk 8, D 128) at T = 1..65536,
-//          plain-stream and graph-replay timings, the device-to-device copy as the ceiling.
-// --sweep  the same workload over launch shapes (warps, tokens per CTA, CTAs per tile) and
-//          with the per-slot lock on and off, to tune the heuristic in rope_pool_cuda.cu.
+// --bench  the default workload (Llama-3-8B: bf16, Hq 32, Hk 8, D 128) at T = 1..65536
+//          (or --tokens), GPU time per call on a plain stream (host enqueueing hidden behind
+//          a spin kernel) and under CUDA-graph replay, with and without PDL and row
+//          deduplication; the device-to-device copy as the ceiling.
+// --sweep  also the same workload over launch shapes (warps, tokens per CTA, CTAs per
+//          token), to tune the heuristic in rope_pool_cuda.cu.
 // Exit status 0 only when every check passed.
 #include <cuda_runtime.h>
 
@@ -21,6 +23,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <sstream>
 #include <memory>
 #include <tuple>
 #include <type_traits>
@@ -533,6 +536,7 @@ void test_slot_errors(std::mt19937_64& rng) {
                              {int64_t(4096), Kernel::Auto}, {int64_t(200), Kernel::Split}}) {
       Case d;
       d.dtype = dt, d.T = T, d.Hq = 4, d.Hk = 8, d.D = 128, d.pool = 8;
+      d.index64 = dt == DType::Float32;  // the scan reads int32 and int64 slots
       std::vector<int64_t> slots(d.T);
       for (int64_t t = 0; t < d.T; ++t) slots[t] = t % 5;
       for (int rep = 0; rep < (g_sanitize ? 1 : 3); ++rep) {
@@ -707,27 +711,61 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-/// Median seconds per call over `batches` batches of `per_batch` calls (events around each
-/// batch), inputs rotating among the workload's sets.
-double time_stream(const Workload& w, const detail::cuda_launch::LaunchConfig& cfg, cudaStream_t s,
-                   int batches = 15, int per_batch = 20) {
+/// Spins for about `ns` nanoseconds of GPU time: queued before a timed batch, it keeps the
+/// GPU busy while the host enqueues the batch, so the events time the GPU, not the host.
+__global__ void spin_kernel(long long ns) {
+  const long long end = ns + [] {
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+  }();
+  for (;;) {
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t >= end) break;
+  }
+}
+
+/// Events around `enqueue()` with the host's enqueueing hidden behind a spin; returns the
+/// seconds between the events and doubles `spin_ns` (and retries) whenever the GPU reached
+/// the first event before the host had finished enqueueing.
+template <class F>
+double timed_on_gpu(cudaStream_t s, long long& spin_ns, F&& enqueue) {
   cudaEvent_t a, b;
   CUDA_OK(cudaEventCreate(&a));
   CUDA_OK(cudaEventCreate(&b));
-  int i = 0;
-  for (int k = 0; k < 5; ++k) detail::cuda_launch::rope_pool_cuda_with(w.problem(i++, s), cfg);
-  std::vector<double> t;
-  for (int r = 0; r < batches; ++r) {
+  double seconds = 0;
+  for (int attempt = 0;; ++attempt) {
+    spin_kernel<<<1, 1, 0, s>>>(spin_ns);
     CUDA_OK(cudaEventRecord(a, s));
-    for (int k = 0; k < per_batch; ++k) detail::cuda_launch::rope_pool_cuda_with(w.problem(i++, s), cfg);
+    enqueue();
     CUDA_OK(cudaEventRecord(b, s));
+    const bool host_kept_up = cudaEventQuery(a) == cudaErrorNotReady;
     CUDA_OK(cudaEventSynchronize(b));
     float ms = 0;
     CUDA_OK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms * 1e-3 / per_batch);
+    seconds = ms * 1e-3;
+    if (host_kept_up || attempt == 4) break;
+    spin_ns *= 2;
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);
+  return seconds;
+}
+
+/// Median GPU seconds per call over `batches` batches of `per_batch` back-to-back calls,
+/// inputs rotating among the workload's sets.
+double time_stream(const Workload& w, const detail::cuda_launch::LaunchConfig& cfg, cudaStream_t s,
+                   int batches = 15, int per_batch = 20) {
+  int i = 0;
+  for (int k = 0; k < 5; ++k) detail::cuda_launch::rope_pool_cuda_with(w.problem(i++, s), cfg);
+  long long spin_ns = 200000;
+  std::vector<double> t;
+  for (int r = 0; r < batches; ++r)
+    t.push_back(timed_on_gpu(s, spin_ns, [&] {
+                  for (int k = 0; k < per_batch; ++k)
+                    detail::cuda_launch::rope_pool_cuda_with(w.problem(i++, s), cfg);
+                }) / per_batch);
   return median(t);
 }
 
@@ -741,51 +779,40 @@ double time_graph(const Workload& w, cudaStream_t s, const detail::cuda_launch::
   for (int k = 0; k < calls; ++k) detail::cuda_launch::rope_pool_cuda_with(w.problem(k, s), cfg);
   CUDA_OK(cudaStreamEndCapture(s, &g));
   CUDA_OK(cudaGraphInstantiate(&ge, g, 0));
-  cudaEvent_t a, b;
-  CUDA_OK(cudaEventCreate(&a));
-  CUDA_OK(cudaEventCreate(&b));
   for (int k = 0; k < 3; ++k) CUDA_OK(cudaGraphLaunch(ge, s));
+  long long spin_ns = 50000;
   std::vector<double> t;
-  for (int r = 0; r < reps; ++r) {
-    CUDA_OK(cudaEventRecord(a, s));
-    CUDA_OK(cudaGraphLaunch(ge, s));
-    CUDA_OK(cudaEventRecord(b, s));
-    CUDA_OK(cudaEventSynchronize(b));
-    float ms = 0;
-    CUDA_OK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms * 1e-3 / calls);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
+  for (int r = 0; r < reps; ++r)
+    t.push_back(timed_on_gpu(s, spin_ns, [&] { CUDA_OK(cudaGraphLaunch(ge, s)); }) / calls);
   cudaGraphExecDestroy(ge);
   cudaGraphDestroy(g);
   return median(t);
 }
 
 __global__ void empty_kernel() {}
+/// As big as the kernel's parameter block for head_dim 128 (inv_freq travels by value).
+struct BigParams {
+  double d[96];
+};
+__global__ void empty_kernel_big_params(const __grid_constant__ BigParams) {}
 
-/// Per-node time of a graph of 20 empty kernels: what launching costs in a graph.
-double empty_graph_us(cudaStream_t s) {
+/// Per-node time of a graph of 20 empty kernels: what launching costs in a graph (with
+/// `big`: a 768-byte parameter block, like the ropepool kernel's).
+double empty_graph_us(cudaStream_t s, bool big = false) {
   cudaGraph_t g;
   cudaGraphExec_t ge;
   CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  for (int k = 0; k < 20; ++k) empty_kernel<<<1, 32, 0, s>>>();
+  for (int k = 0; k < 20; ++k) {
+    if (big) empty_kernel_big_params<<<1, 32, 0, s>>>(BigParams{{double(k)}});
+    else empty_kernel<<<1, 32, 0, s>>>();
+  }
   CUDA_OK(cudaStreamEndCapture(s, &g));
   CUDA_OK(cudaGraphInstantiate(&ge, g, 0));
-  cudaEvent_t a, b;
-  CUDA_OK(cudaEventCreate(&a));
-  CUDA_OK(cudaEventCreate(&b));
   for (int k = 0; k < 3; ++k) CUDA_OK(cudaGraphLaunch(ge, s));
+  long long spin_ns = 50000;
   std::vector<double> t;
-  for (int r = 0; r < 30; ++r) {
-    CUDA_OK(cudaEventRecord(a, s));
-    CUDA_OK(cudaGraphLaunch(ge, s));
-    CUDA_OK(cudaEventRecord(b, s));
-    CUDA_OK(cudaEventSynchronize(b));
-    float ms = 0;
-    CUDA_OK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms * 1e-3 / 20);
-  }
+  for (int r = 0; r < 30; ++r)
+    t.push_back(timed_on_gpu(s, spin_ns, [&] { CUDA_OK(cudaGraphLaunch(ge, s)); }) / 20);
   cudaGraphExecDestroy(ge);
   cudaGraphDestroy(g);
   return median(t);
@@ -811,19 +838,20 @@ double copy_bandwidth(cudaStream_t s) {
   return 2.0 * double(bytes) / median(t);  // read + write
 }
 
-void bench(bool sweep, std::mt19937_64& rng) {
+void bench(bool sweep, const std::vector<int64_t>& tokens, std::mt19937_64& rng) {
   cudaStream_t s;
   CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const double copy = copy_bandwidth(s);
   std::printf("device-to-device copy: %.0f GB/s (read + write)\n", copy / 1e9);
-  g_json += "{\"copy_GBps\": " + std::to_string(copy / 1e9) + ", \"rows\": [";
   const double floor_us = empty_graph_us(s) * 1e6;
-  std::printf("graph replay of an empty kernel: %.2f us per node (the floor)\n", floor_us);
-  g_json += "\"empty_graph_us\": " + std::to_string(floor_us) + ", ";
+  std::printf("graph replay of an empty kernel: %.2f us per node (the floor); with a 768-byte "
+              "parameter block: %.2f us\n", floor_us, empty_graph_us(s, true) * 1e6);
+  g_json += "{\"copy_GBps\": " + std::to_string(copy / 1e9) +
+            ", \"empty_graph_us\": " + std::to_string(floor_us) + ", \"rows\": [";
   std::printf("%8s %10s %9s %7s %10s %10s %14s  %s\n", "T", "us/call", "GB/s", "%copy", "graph us",
-              "no-dedup us", "plan", "best sweep (us)");
+              "no-dedup us", "plan", "PDL off: us | graph us; best sweep (us)");
   bool first_row = true;
-  for (int64_t T : {1, 16, 64, 256, 1024, 4096, 16384, 65536}) {
+  for (int64_t T : tokens) {
     Workload w(T, rng);
     detail::cuda_launch::LaunchConfig def;
     const auto plan = detail::cuda_launch::plan_launch(w.problem(0, s), def);
@@ -833,32 +861,32 @@ void bench(bool sweep, std::mt19937_64& rng) {
     const double tn = time_stream(w, nolock, s);
     const double tg = T <= 256 ? time_graph(w, s) : 0;
     std::string best;
+    {
+      detail::cuda_launch::LaunchConfig off;
+      off.pdl = -1;
+      char b[100];
+      std::snprintf(b, sizeof b, "%.2f | %.2f; ", time_stream(w, off, s) * 1e6,
+                    T <= 256 ? time_graph(w, s, off) * 1e6 : 0.0);
+      best = b;
+    }
     if (sweep) {
-      double best_t = 1e9;
-      auto consider = [&](const detail::cuda_launch::LaunchConfig& c, const char* label) {
-        const double tc = time_stream(w, c, s, 7, 10);
-        if (tc < best_t) {
-          best_t = tc;
-          char b[80];
-          std::snprintf(b, sizeof b, "%s: %.2f", label, tc * 1e6);
-          best = b;
-        }
-      };
-      for (int warps : {2, 3, 4, 6, 8})
+      // Launch shapes (warps, tokens per CTA, CTAs per token): graph replay time for T <= 256
+      // (decode: latency), plain-stream time above; the three fastest.
+      std::vector<std::pair<double, std::string>> tried;
+      for (int warps : {1, 2, 3, 4, 6, 8})
         for (int tok : {1, 2, 4})
-          for (int split : {1, 2, 3}) {
-            if (split > 1 && (T > 256 || tok > 1)) continue;
+          for (int split : {1, 2, 3, 4, 6}) {
+            if ((split > 1 && (T > 1024 || tok > 1)) || (T > 256 && warps == 1)) continue;
             detail::cuda_launch::LaunchConfig c;
             c.warps_per_cta = warps, c.tokens_per_cta = tok, c.ctas_per_tile = split;
-            char label[40];
-            std::snprintf(label, sizeof label, "%d,%d,%d", warps, tok, split);
-            consider(c, label);
+            const double tc = T <= 256 ? time_graph(w, s, c) : time_stream(w, c, s, 7, 10);
+            tried.emplace_back(tc, std::to_string(warps) + "," + std::to_string(tok) + "," + std::to_string(split));
           }
-      char b[200];
-      if (T <= 256) {
-        detail::cuda_launch::LaunchConfig off;
-        off.pdl = -1;
-        std::snprintf(b, sizeof b, " | graph no-PDL %.2f", time_graph(w, s, off) * 1e6);
+      std::sort(tried.begin(), tried.end());
+      best += T <= 256 ? "graph " : "stream ";
+      for (size_t k = 0; k < tried.size() && k < 3; ++k) {
+        char b[60];
+        std::snprintf(b, sizeof b, "%s%s: %.2f", k ? ", " : "", tried[k].second.c_str(), tried[k].first * 1e6);
         best += b;
       }
     }
@@ -868,7 +896,7 @@ void bench(bool sweep, std::mt19937_64& rng) {
     const double gbps = w.bytes() / t;
     std::printf("%8lld %10.2f %9.0f %6.1f%% %10.2f %10.2f %14s  %s\n", (long long)T, t * 1e6, gbps / 1e9,
                 100 * gbps / copy, tg * 1e6, tn * 1e6, pl, best.c_str());
-    char js[400];
+    char js[600];
     std::snprintf(js, sizeof js,
                   "%s{\"T\": %lld, \"us\": %.3f, \"GBps\": %.1f, \"graph_us\": %.3f, \"nolock_us\": %.3f, "
                   "\"plan\": \"%s\", \"best\": \"%s\"}",
@@ -886,6 +914,7 @@ void bench(bool sweep, std::mt19937_64& rng) {
 int main(int argc, char** argv) {
   bool test = false, do_bench = false, sweep = false, quick = false;
   std::string json;
+  std::vector<int64_t> tokens = {1, 16, 64, 256, 1024, 4096, 16384, 65536};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--test") test = true;
@@ -894,8 +923,13 @@ int main(int argc, char** argv) {
     else if (a == "--quick") quick = true;
     else if (a == "--sanitize") quick = g_sanitize = true;
     else if (a == "--json" && i + 1 < argc) json = argv[++i];
+    else if (a == "--tokens" && i + 1 < argc) {
+      tokens.clear();
+      std::stringstream list(argv[++i]);
+      for (std::string t; std::getline(list, t, ',');) tokens.push_back(std::stoll(t));
+    }
     else {
-      std::fprintf(stderr, "usage: %s [--test] [--bench] [--sweep] [--quick] [--sanitize] [--json FILE]\n",
+      std::fprintf(stderr, "usage: %s [--test] [--bench] [--sweep] [--tokens T1,T2,..] [--quick] [--sanitize] [--json FILE]\n",
                    argv[0]);
       return 2;
     }
@@ -914,7 +948,7 @@ int main(int argc, char** argv) {
     if (!quick) test_large_pool(rng);
     std::printf("tests: %d checks, %d failures\n", g_checks, g_failures);
   }
-  if (do_bench) bench(sweep, rng);
+  if (do_bench) bench(sweep, tokens, rng);
   if (!json.empty()) std::ofstream(json) << (g_json.empty() ? "{}" : g_json) << "\n";
   return g_failures == 0 ? 0 : 1;
 }
