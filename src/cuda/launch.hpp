@@ -14,7 +14,7 @@ struct LaunchConfig {
   int warps_per_cta = 0;   ///< 1..8
   int tokens_per_cta = 0;  ///< tokens whose sin/cos table one CTA builds
   int ctas_per_tile = 0;   ///< CTAs sharing one tile's items (spread a token over SMs)
-  /// Programmatic dependent launch: 1 on, -1 off, 0 heuristic (on for decode-sized calls).
+  /// Programmatic dependent launch: 1 on, -1 off, 0 default (on).
   int pdl = 0;
   /// Keep duplicate slots from mixing rows (SPEC §3): shared-memory scan or per-slot lock.
   /// Only the tuning driver turns it off, to measure what it costs.

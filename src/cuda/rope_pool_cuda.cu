@@ -32,8 +32,6 @@ using cuda_launch::LaunchPlan;
 using cuda_launch::Path;
 
 constexpr int kMaxDevices = 64;
-/// Calls up to this many tokens use programmatic dependent launch (docs/CUDA.md).
-constexpr int64_t kPdlMaxTokens = 256;
 
 void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess)
@@ -219,9 +217,11 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
 
   LaunchConfig c = overrides;
   // A CTA per token, one warp per item: the token's items run side by side. Measured on
-  // H200 (Llama-3-8B shape) against 1-16 tokens per CTA, 1-8 warps and spreading a token
-  // over 1-4 CTAs, and against a persistent software-pipelined kernel: no shape was
-  // faster at any T by more than the run-to-run spread (docs/CUDA.md).
+  // H200 (Llama-3-8B shape) against 1-4 tokens per CTA, 1-8 warps, a token spread over 2-6
+  // CTAs (GPU time on a plain stream from T = 1024, CUDA-graph replay below), and against a
+  // persistent software-pipelined kernel: nothing was faster at any T by more than the
+  // run-to-run spread, and one warp per CTA over 3 CTAs was 0.5 us slower at T = 1
+  // (docs/CUDA.md).
   if (c.tokens_per_cta <= 0) c.tokens_per_cta = 1;
   if (c.warps_per_cta <= 0)
     c.warps_per_cta = int(std::min<double>(cuda::kMaxWarpsPerCta,
@@ -239,9 +239,10 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
                          : T <= cuda::kMaxScanTokens ? cuda::kPoolWriteScan
                                                      : cuda::kPoolWriteLock;
   if (plan.pool_write_mode == cuda::kPoolWriteScan) plan.shared_bytes += size_t(T) * 8;
-  // PDL lets a decode-sized launch start while the previous kernel drains (it waits for it
-  // in-kernel before touching memory); a large grid would only sit on SM slots meanwhile.
-  if (c.pdl == 0) c.pdl = T <= kPdlMaxTokens ? 1 : -1;
+  // PDL (docs/CUDA.md): this launch may start while the previous kernel on the stream
+  // drains (it waits for that kernel in-kernel before touching memory) and lets the next one
+  // start once its table is built. Measured faster than without at every T.
+  if (c.pdl == 0) c.pdl = 1;
   if (plan.grid > 0x7fffffff)
     throw Error("rope_pool_fused: too many tokens for one CUDA launch, got " + std::to_string(T));
   plan.config = c;

@@ -144,6 +144,18 @@ __device__ __forceinline__ void allow_next_grid() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+/// Global -> shared copy of 4 or 8 bytes that holds no register while in flight
+/// (cp.async, sm_80+); complete after cp_async_wait_all().
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool eight_bytes) {
+  const unsigned dst = unsigned(__cvta_generic_to_shared(smem));
+  if (eight_bytes)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(gmem) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
 __device__ __forceinline__ void unlock_row(unsigned int* lock, int lane) {
   __threadfence();  // every lane's pool stores are visible before the lock is free
   __syncwarp();
@@ -370,9 +382,9 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
   const int half = ops.half;
   float* cos_tab = reinterpret_cast<float*>(shared);
   float* sin_tab = cos_tab + p.tokens_per_cta * half;
-  // kPoolWriteScan: every slot of the call (T <= kMaxScanTokens), after the table.
-  // (The table is 2 * tokens_per_cta * half floats: the slots start 8-byte aligned.)
-  long long* scan_slots = reinterpret_cast<long long*>(sin_tab + p.tokens_per_cta * half);
+  // kPoolWriteScan: every slot of the call (T <= kMaxScanTokens) as stored (int32 or int64),
+  // after the table (2 * tokens_per_cta * half floats: the slots start 8-byte aligned).
+  void* scan_slots = sin_tab + p.tokens_per_cta * half;
   const bool scan = p.pool_write_mode == kPoolWriteScan;
 
   // Items of this tile: one kv item per token (all its rounds), then the q chunks.
@@ -392,14 +404,21 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
     ops.load_q(t0, tokens, item - tokens, stage);
   }
 
+  // The call's slots go to shared memory with cp.async, in flight with the loads above and
+  // the position loads below (no registers held; measured 0.1 us faster at T = 256 than
+  // loading them after the table, the same below).
+  if (scan) {
+    const int64_t es = p.slots_int64 ? 8 : 4;
+    for (int u = threadIdx.x; u < p.num_tokens; u += blockDim.x)
+      cp_async(static_cast<char*>(scan_slots) + u * es,
+               static_cast<const char*>(p.slots) + u * p.slots_stride * es, p.slots_int64);
+  }
   for (int e = threadIdx.x; e < tokens * half; e += blockDim.x) {
     const int tok = e / half, i = e - tok * half;
     const int64_t pos = load_index(p.positions, p.positions_stride, p.positions_int64, t0 + tok);
     angle_sincos(pos, p.inv_freq[i], p.attention_scaling, &cos_tab[e], &sin_tab[e]);
   }
-  if (scan)
-    for (int u = threadIdx.x; u < p.num_tokens; u += blockDim.x)
-      scan_slots[u] = load_index(p.slots, p.slots_stride, p.slots_int64, u);
+  if (scan) cp_async_wait_all();
   __syncthreads();
   allow_next_grid();
 
@@ -412,7 +431,9 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
       if (scan && to_pool) {
         // Last token wins: skip the write when a later token of the call has this slot.
         bool later = false;
-        for (int64_t u = t + 1 + ops.lane; u < p.num_tokens; u += 32) later |= scan_slots[u] == slot;
+        for (int64_t u = t + 1 + ops.lane; u < p.num_tokens; u += 32)
+          later |= (p.slots_int64 ? static_cast<const long long*>(scan_slots)[u]
+                                  : static_cast<const int*>(scan_slots)[u]) == slot;
         to_pool = !__any_sync(0xffffffffu, later);
       }
       // Lock mode: taken after the loads are in flight, after the barrier (no warp holds a
