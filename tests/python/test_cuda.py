@@ -215,11 +215,16 @@ def test_out_of_range_slot_reported_by_next_call(T, rng):
 
 
 @pytest.mark.parametrize("T", [200, 4096])  # shared-memory scan, per-slot locks
-def test_duplicate_slots_without_check_keep_whole_rows(T, rng):
+@pytest.mark.parametrize("index_dtype, strided", [("int32", False), ("int64", True)])
+def test_duplicate_slots_without_check_keep_whole_rows(T, index_dtype, strided, rng):
     P = 6
     slots = np.arange(T) % 5
     case = make_case("torch", "bfloat16", rng, T=T, Hq=4, Hk=8, D=128, P=P, device="cuda",
-                     slots=slots).snapshot()
+                     index_dtype=index_dtype, slots=slots)
+    if strided:  # every other element of a [T, 2] tensor: stride 2, no copy
+        case.slots = torch.stack([case.slots, torch.full_like(case.slots, 1 << 30)], dim=1)[:, 0]
+        assert case.slots.stride() == (2,)
+    case.snapshot()
     _, k_rot, _, _ = run(case)
     torch.cuda.synchronize()
     k_pool, v_pool = raw_bits(case.k_pool), raw_bits(case.v_pool)
@@ -228,6 +233,8 @@ def test_duplicate_slots_without_check_keep_whole_rows(T, rng):
         owners = [t for t in np.nonzero(slots == s)[0]
                   if (k_pool[s] == k_bits[t]).all() and (v_pool[s] == v_bits[t]).all()]
         assert owners, f"row {s} is not one token's complete k_rot/v row (mixed heads?)"
+        if T <= 256:  # the shared-memory scan: the last token with the slot wins, as on the CPU
+            assert owners[-1] == np.nonzero(slots == s)[0][-1], f"row {s}: not the last token"
     np.testing.assert_array_equal(k_pool[5], case.before["k_pool"][5])
 
 
