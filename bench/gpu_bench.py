@@ -28,7 +28,8 @@ rotated among several input sets so the 60 MB L2 does not hold them all (a decod
 its inputs from L2 in practice, so small T may still hit L2); "call us": the wall time of one
 Python call with the host included (batches of 20 calls ended by a synchronisation); CUDA
 graph (T <= 256): 20 calls over rotating sets captured once, the median GPU time of a replay
-divided by 20.
+divided by 20 (the headline figure); for ropepool also the marginal cost of a call, from
+graphs of 20 and 60 calls: (60 * t60 - 20 * t20) / 40.
 Effective bandwidth counts T * D * elem * (2 * Hq + 5 * Hk) + index bytes: q, k, v read,
 q_rot, k_rot, k_pool and v_pool rows written.
 
@@ -357,6 +358,10 @@ def main(argv=None):
         if T <= args.graph_max_tokens:
             if have_ropepool:
                 row["ropepool_graph_us"] = time_graph(rp, w) * 1e6
+                # The cost of one more call in a longer graph (an engine's decode graph holds
+                # hundreds of kernels): the graph's own start is not spread over the calls.
+                t60 = time_graph(rp, w, calls=60) * 1e6
+                row["ropepool_graph_marginal_us"] = (60 * t60 - 20 * row["ropepool_graph_us"]) / 40
             row["eager_graph_us"] = time_graph(eager, w) * 1e6
             if compiled is not None:
                 row["compile_graph_us"] = time_graph(comp, w) * 1e6
@@ -411,6 +416,10 @@ def main(argv=None):
                   if k.endswith("host_bound_samples") and r[k]]
     if host_bound:
         print("samples where the host fell behind the GPU (timings include host time): " + ", ".join(host_bound))
+    marginal = [f"T={r['T']} {r['ropepool_graph_marginal_us']:.2f}" for r in rows
+                if "ropepool_graph_marginal_us" in r]
+    if marginal:
+        print("ropepool graph replay, marginal us per call (graphs of 20 and 60 calls): " + ", ".join(marginal))
     if problems_all:
         print("CHECK FAILED:\n  " + "\n  ".join(problems_all))
         return 1

@@ -8,6 +8,8 @@
 # ninja already installed; no network (pip runs with --no-build-isolation --no-deps).
 # Highway and GoogleTest come from Debian packages in .deb/ (libhwy1, libhwy-dev,
 # libgtest-dev), unpacked with `dpkg -x` into /tmp/ropepool-debs, unless they are installed.
+# The test oracle (transformers 4.57.6 and the huggingface_hub/tokenizers it accepts) from
+# wheels in .whl/, when there, installed to /tmp/ropepool-site.
 #
 # Steps (each runs even when an earlier one failed, unless it needs that one's output):
 #   1. pip install the package with the CUDA backend (sm_90)
@@ -73,6 +75,19 @@ if ls .deb/*.deb >/dev/null 2>&1; then
   CMAKE_DEPS+=("-DCMAKE_PREFIX_PATH=$DEBS/usr")
   export LD_LIBRARY_PATH=$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   echo "unpacked $(ls .deb/*.deb | wc -l) .deb files into $DEBS" | tee -a "$LOGS/summary.txt"
+fi
+# --- the pinned test oracle from .whl ----------------------------------------------------------
+# tests/python/test_rope_variants.py compares against transformers 4.57.6 (requirements-dev.txt);
+# a GPU image with another major version skips those tests unless the pinned wheels travel in
+# .whl/ (README, "Testing on a GPU machine"). They go to a private path, first on PYTHONPATH.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/ropepool-site .whl/*.whl >>"$LOGS/summary.txt" 2>&1; then
+    export PYTHONPATH=/tmp/ropepool-site${PYTHONPATH:+:$PYTHONPATH}
+    echo "test oracle: $(ls .whl/*.whl | xargs -n1 basename | cut -d- -f1,2 | tr '\n' ' ')on PYTHONPATH" | tee -a "$LOGS/summary.txt"
+  else
+    echo "test oracle: installing .whl/*.whl failed" | tee -a "$LOGS/summary.txt"
+  fi
 fi
 # CMake < 3.26 knows no C++20 flag for nvcc (src/cuda/cuda.cmake has the same fix).
 CUDA_STD=(-DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20)
