@@ -62,9 +62,7 @@ def _scaling_kwargs(rope_scaling: Mapping[str, Any], rope_base: float) -> dict:
                         f"got {type(rope_scaling).__name__}")
     rope_type = _rope_type(rope_scaling)
     if rope_type not in _REQUIRED:
-        raise ValueError(
-            f"rope_pool_fused: unknown rope_scaling type '{rope_type}'; expected one of "
-            + ", ".join(_REQUIRED))
+        return {"rope_type": rope_type}  # the core names the known types (parse_rope_type)
     known = {"rope_type", "type", "rope_theta", *_REQUIRED[rope_type], *_OPTIONAL[rope_type]}
     unknown = sorted(set(rope_scaling) - known)
     if unknown:
