@@ -211,6 +211,32 @@ HWY_INLINE void CopyBytes(void* dst, const void* src, size_t n, bool stream) {
   std::memcpy(out + i, in + i, n - i);
 }
 
+// GPT-J pairs (x[j], x[j+1]) from an even j up to rotary_dim, one at a time, then the
+// pass-through rest of the head. cos_sin(j, c, s) reads pair j's factors: the two
+// interleaved paths lay out their tables differently.
+template <class E, class CosSin>
+HWY_INLINE void InterleavedTail(const typename E::T* x, typename E::T* out, typename E::T* out2,
+                                int64_t j, int64_t rotary_dim, int64_t head_dim, CosSin cos_sin) {
+  using T = typename E::T;
+  for (; j < rotary_dim; j += 2) {
+    const float a = E::scalar_load(x[j]), b = E::scalar_load(x[j + 1]);
+    float c, s;
+    cos_sin(j, c, s);
+    const T lo = E::scalar_store(a * c - b * s), hi = E::scalar_store(a * s + b * c);
+    out[j] = lo;
+    out[j + 1] = hi;
+    if (out2) {
+      out2[j] = lo;
+      out2[j + 1] = hi;
+    }
+  }
+  if (rotary_dim < head_dim) {
+    const size_t rest = size_t(head_dim - rotary_dim) * sizeof(T);
+    std::memcpy(out + rotary_dim, x + rotary_dim, rest);
+    if (out2) std::memcpy(out2 + rotary_dim, x + rotary_dim, rest);
+  }
+}
+
 // One head: rotate the pairs (x[i], x[i + R/2]) for i in [first_pair, R/2) into `out` (and
 // `out2` when not null), copy x[R, D).
 template <class E>
@@ -323,22 +349,8 @@ HWY_INLINE void RotateRowInterleavedBF16(const uint16_t* x, uint16_t* out, uint1
     StoreU16(r, out + j, stream_here);
     if (out2) StoreU16(r, out2 + j, stream_here);
   }
-  for (; j < rotary_dim; j += 2) {
-    const float a = bf16_to_float(x[j]), b = bf16_to_float(x[j + 1]);
-    const float c = cos_t[j / 2], s = sin_t[j / 2];
-    const uint16_t lo = float_to_bf16(a * c - b * s), hi = float_to_bf16(a * s + b * c);
-    out[j] = lo;
-    out[j + 1] = hi;
-    if (out2) {
-      out2[j] = lo;
-      out2[j + 1] = hi;
-    }
-  }
-  if (rotary_dim < head_dim) {
-    const size_t rest = size_t(head_dim - rotary_dim) * sizeof(uint16_t);
-    std::memcpy(out + rotary_dim, x + rotary_dim, rest);
-    if (out2) std::memcpy(out2 + rotary_dim, x + rotary_dim, rest);
-  }
+  InterleavedTail<BFloat16>(x, out, out2, j, rotary_dim, head_dim,
+                            [&](int64_t p, float& c, float& s) { c = cos_t[p / 2], s = sin_t[p / 2]; });
 }
 
 // The bf16 half-split table order: within each whole chunk of 2N pairs, the even-indexed
@@ -407,23 +419,9 @@ HWY_INLINE void RotateRowInterleaved(const typename E::T* x, typename E::T* out,
     if (out2) StoreVec<E>(df, r, out2 + j, stream);
   }
 #endif
-  for (; j < rotary_dim; j += 2) {  // j is even: vectors hold whole pairs
-    const float a = E::scalar_load(x[j]), b = E::scalar_load(x[j + 1]);
-    const float c = cos_il[j], s = sin_il[j + 1];
-    const T lo = E::scalar_store(a * c - b * s);
-    const T hi = E::scalar_store(a * s + b * c);
-    out[j] = lo;
-    out[j + 1] = hi;
-    if (out2) {
-      out2[j] = lo;
-      out2[j + 1] = hi;
-    }
-  }
-  if (rotary_dim < head_dim) {
-    const size_t rest = size_t(head_dim - rotary_dim) * sizeof(T);
-    std::memcpy(out + rotary_dim, x + rotary_dim, rest);
-    if (out2) std::memcpy(out2 + rotary_dim, x + rotary_dim, rest);
-  }
+  // j is even here: vectors hold whole pairs.
+  InterleavedTail<E>(x, out, out2, j, rotary_dim, head_dim,
+                     [&](int64_t p, float& c, float& s) { c = cos_il[p], s = sin_il[p + 1]; });
 }
 
 template <class E>
