@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "../backend.hpp"
 
@@ -13,6 +14,16 @@ namespace ropepool::detail::cpu {
 inline constexpr int64_t kTablePad = 64;
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+/// Partial rotary (SPEC §4): x[rotary_dim, head_dim) passes through unchanged into `out`
+/// (and `out2` when not null). Every row kernel ends with this.
+template <class T>
+inline void copy_pass_through(const T* x, T* out, T* out2, int64_t rotary_dim, int64_t head_dim) {
+  if (rotary_dim >= head_dim) return;
+  const size_t rest = size_t(head_dim - rotary_dim) * sizeof(T);
+  std::memcpy(out + rotary_dim, x + rotary_dim, rest);
+  if (out2) std::memcpy(out2 + rotary_dim, x + rotary_dim, rest);
+}
 
 /// What every block of one call shares. Built once per call by rope_pool_cpu.
 struct CallPlan {

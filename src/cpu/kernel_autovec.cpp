@@ -84,11 +84,7 @@ ROPEPOOL_INLINE void rotate_row(const typename E::T* x, typename E::T* out, type
         out2[half + i0 + i] = hi[i];
       }
   }
-  if (rotary_dim < head_dim) {
-    const size_t rest = size_t(head_dim - rotary_dim) * sizeof(T);
-    std::memcpy(out + rotary_dim, x + rotary_dim, rest);
-    if (out2) std::memcpy(out2 + rotary_dim, x + rotary_dim, rest);
-  }
+  copy_pass_through(x, out, out2, rotary_dim, head_dim);
 }
 
 // GPT-J pairs (x[2i], x[2i+1]).
@@ -113,11 +109,7 @@ ROPEPOOL_INLINE void rotate_row_interleaved(const typename E::T* x, typename E::
     if (out2)
       for (int64_t j = 0; j < n; ++j) out2[j0 + j] = o[j];
   }
-  if (rotary_dim < head_dim) {
-    const size_t rest = size_t(head_dim - rotary_dim) * sizeof(T);
-    std::memcpy(out + rotary_dim, x + rotary_dim, rest);
-    if (out2) std::memcpy(out2 + rotary_dim, x + rotary_dim, rest);
-  }
+  copy_pass_through(x, out, out2, rotary_dim, head_dim);
 }
 
 template <class E>

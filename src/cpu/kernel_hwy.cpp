@@ -230,11 +230,7 @@ HWY_INLINE void InterleavedTail(const typename E::T* x, typename E::T* out, type
       out2[j + 1] = hi;
     }
   }
-  if (rotary_dim < head_dim) {
-    const size_t rest = size_t(head_dim - rotary_dim) * sizeof(T);
-    std::memcpy(out + rotary_dim, x + rotary_dim, rest);
-    if (out2) std::memcpy(out2 + rotary_dim, x + rotary_dim, rest);
-  }
+  copy_pass_through(x, out, out2, rotary_dim, head_dim);
 }
 
 // One head: rotate the pairs (x[i], x[i + R/2]) for i in [first_pair, R/2) into `out` (and
@@ -282,11 +278,7 @@ HWY_INLINE void RotateRow(const typename E::T* x, typename E::T* out,
       out2[i + half] = hi;
     }
   }
-  if (rotary_dim < head_dim) {  // partial rotary: the rest passes through
-    const size_t rest = size_t(head_dim - rotary_dim) * sizeof(T);
-    std::memcpy(out + rotary_dim, x + rotary_dim, rest);
-    if (out2) std::memcpy(out2 + rotary_dim, x + rotary_dim, rest);
-  }
+  copy_pass_through(x, out, out2, rotary_dim, head_dim);
 }
 
 #if HWY_TARGET != HWY_SCALAR
