@@ -275,37 +275,31 @@ def time_graph(fn, w, calls=20, replays=30):
     return statistics.median(samples)
 
 
-def copy_bandwidth(nbytes=1 << 30):
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+def copy_seconds(n, reps, warmup):
+    """Median seconds of a device-to-device torch copy of n bytes (CUDA events around each of
+    `reps` copies, the first `warmup` not counted)."""
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples = []
-    for r in range(12):
+    for r in range(reps):
         start.record()
         dst.copy_(src)
         end.record()
         end.synchronize()
-        if r >= 2:
+        if r >= warmup:
             samples.append(start.elapsed_time(end) * 1e-3)
-    del src, dst
-    return 2 * nbytes / statistics.median(samples)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(nbytes=1 << 30):
+    """The ceiling: bytes read + written per second by a copy of nbytes."""
+    return 2 * nbytes / copy_seconds(nbytes, reps=12, warmup=2)
 
 
 def copy_same_bytes(nbytes):
     """Seconds to copy nbytes/2 (read + write = nbytes): the per-size ceiling."""
-    n = max(16, nbytes // 2)
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for r in range(20):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        if r >= 3:
-            samples.append(start.elapsed_time(end) * 1e-3)
-    return statistics.median(samples)
+    return copy_seconds(max(16, nbytes // 2), reps=20, warmup=3)
 
 
 # --- main --------------------------------------------------------------------------------------

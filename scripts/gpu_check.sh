@@ -18,7 +18,7 @@
 #      reference, SPEC §3 slot errors, duplicates, a pool over 4 GiB, CUDA graphs
 #   4. the whole pytest suite (CPU and GPU tests)
 #   5. compute-sanitizer memcheck on the self-test driver (small grid)
-#   6. the C++ driver's benchmark (the kernel alone, PDL variants) and bench/gpu_bench.py
+#   6. the C++ driver's benchmark (the kernel alone, with and without PDL) and bench/gpu_bench.py
 #      (ropepool vs PyTorch eager, torch.compile, copy)
 # Logs go to $OUT (or ./gpu-check-logs): at most 8 files. A summary table is printed last.
 # Exit status: 0 when every step passed.
@@ -79,7 +79,7 @@ fi
 # --- the pinned test oracle from .whl ----------------------------------------------------------
 # tests/python/test_rope_variants.py compares against transformers 4.57.6 (requirements-dev.txt);
 # a GPU image with another major version skips those tests unless the pinned wheels travel in
-# .whl/ (README, "Testing on a GPU machine"). They go to a private path, first on PYTHONPATH.
+# .whl/ (README, "On the GPU machine"). They go to a private path, first on PYTHONPATH.
 if ls .whl/*.whl >/dev/null 2>&1; then
   if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/ropepool-site .whl/*.whl >>"$LOGS/summary.txt" 2>&1; then
@@ -166,10 +166,10 @@ else
     # The kernel alone from C++ (no Python), with and without PDL.
     run_step "CUDA C++ bench (self-test --bench)" "$LOGS/selftest.log" 300 "$SELFTEST" --bench
   fi
-fi
-if [ "${GPU_CHECK_BENCH:-1}" != 0 ] && [ "$PIP_RC" = 0 ]; then
-  run_step "bench/gpu_bench.py" "$LOGS/bench.log" 360 \
-    bash -c "cd /tmp && OUT='$LOGS' $PY '$ROOT/bench/gpu_bench.py' --json '$LOGS/gpu_bench.json'"
+  if [ "$PIP_RC" = 0 ]; then
+    run_step "bench/gpu_bench.py" "$LOGS/bench.log" 360 \
+      bash -c "cd /tmp && OUT='$LOGS' $PY '$ROOT/bench/gpu_bench.py' --json '$LOGS/gpu_bench.json'"
+  fi
 fi
 
 # --- summary ------------------------------------------------------------------------------------
