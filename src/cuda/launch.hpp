@@ -9,11 +9,10 @@
 
 namespace ropepool::detail::cuda_launch {
 
-/// How one call is cut into CTAs. Every field 0 means "let the heuristic choose".
+/// How one call is launched (one CTA per token). Every field 0 means "let the heuristic
+/// choose".
 struct LaunchConfig {
-  int warps_per_cta = 0;   ///< 1..8
-  int tokens_per_cta = 0;  ///< tokens whose sin/cos table one CTA builds
-  int ctas_per_tile = 0;   ///< CTAs sharing one tile's items (spread a token over SMs)
+  int warps_per_cta = 0;  ///< 1..8
   /// Programmatic dependent launch: 1 on, -1 off, 0 default (on).
   int pdl = 0;
   /// Keep duplicate slots from mixing rows (SPEC §3): shared-memory scan or per-slot lock.

@@ -221,18 +221,13 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   // CTAs (GPU time on a plain stream from T = 1024, CUDA-graph replay below), and against a
   // persistent software-pipelined kernel: nothing was faster at any T by more than the
   // run-to-run spread, and one warp per CTA over 3 CTAs was 0.5 us slower at T = 1
-  // (docs/CUDA.md).
-  if (c.tokens_per_cta <= 0) c.tokens_per_cta = 1;
+  // (docs/CUDA.md), so the kernel knows only this shape and the warp count.
   if (c.warps_per_cta <= 0)
-    c.warps_per_cta = int(std::min<double>(cuda::kMaxWarpsPerCta,
-                                           std::ceil(c.tokens_per_cta * items_per_token)));
-  if (c.ctas_per_tile <= 0) c.ctas_per_tile = 1;
+    c.warps_per_cta = int(std::min<double>(cuda::kMaxWarpsPerCta, std::ceil(items_per_token)));
   c.warps_per_cta = std::clamp(c.warps_per_cta, 1, cuda::kMaxWarpsPerCta);
-  const int64_t max_tokens_by_smem = std::max<int64_t>(1, (32 * 1024) / (8 * std::max<int64_t>(half, 1)));
-  c.tokens_per_cta = int(std::clamp<int64_t>(c.tokens_per_cta, 1, std::min<int64_t>(max_tokens_by_smem, 64)));
-  plan.grid = (T + c.tokens_per_cta - 1) / c.tokens_per_cta * c.ctas_per_tile;
+  plan.grid = T;
   plan.threads = 32 * c.warps_per_cta;
-  plan.shared_bytes = size_t(2) * c.tokens_per_cta * size_t(half) * sizeof(float);
+  plan.shared_bytes = size_t(2) * size_t(half) * sizeof(float);
   // Duplicate slots: none possible with one token; a shared-memory scan for small calls
   // (no atomics, no fences, and the last token wins as on the CPU); locks otherwise.
   plan.pool_write_mode = T == 1 || !c.dedupe_rows ? cuda::kPoolWriteDirect
@@ -273,7 +268,6 @@ KernelParams<kFreqCap> make_params(const RopePoolProblem& p, const LaunchPlan& p
   k.num_tokens = p.num_tokens, k.pool_size = p.pool_size;
   k.num_qo_heads = int(p.num_qo_heads), k.num_kv_heads = int(p.num_kv_heads);
   k.head_dim = int(p.head_dim), k.rotary_dim = int(p.rotary_dim);
-  k.tokens_per_cta = plan.config.tokens_per_cta, k.ctas_per_tile = plan.config.ctas_per_tile;
   k.pool_write_mode = plan.pool_write_mode;
   k.attention_scaling = float(p.attention_scaling);
   k.error_record = record;
@@ -297,9 +291,9 @@ void launch(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRecord* r
     launch.attrs = &attr;
     launch.numAttrs = 1;
   }
-  check(cudaLaunchKernelEx(&launch, cuda::rope_pool_tile_kernel<E, kVec, kHeadDim, kFreqCap, kInterleaved>,
+  check(cudaLaunchKernelEx(&launch, cuda::rope_pool_token_kernel<E, kVec, kHeadDim, kFreqCap, kInterleaved>,
                            params),
-        "cudaLaunchKernelEx (rope_pool_tile_kernel)");
+        "cudaLaunchKernelEx (rope_pool_token_kernel)");
 }
 
 template <class E>

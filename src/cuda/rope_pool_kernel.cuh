@@ -16,6 +16,7 @@
 // before the sin/cos table is built, so memory latency overlaps the angle math.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "vec.cuh"
@@ -67,7 +68,6 @@ struct KernelParams {
   int64_t num_tokens;
   int64_t pool_size;
   int num_qo_heads, num_kv_heads, head_dim, rotary_dim;  // rotary_dim: even, <= head_dim
-  int tokens_per_cta, ctas_per_tile;
   int pool_write_mode;                // PoolWriteMode
   float attention_scaling;
   bool positions_int64, slots_int64;
@@ -173,10 +173,36 @@ struct HeadOps {
   // pairs inside one vector.
   static constexpr bool kTwoAccesses = !kInterleaved || kVec == 1;
 
+  // ---- where a lane's units are -------------------------------------------------------------
+  // Unit (or vector) number `flat` of a token sits in head flat / per_head at index
+  // flat % per_head. A lane's units are 32 apart, so the next one is found by adding
+  // (32 / per_head, 32 % per_head) with one carry: no division per unit (both are
+  // compile-time on the tuned paths).
+  struct Cursor {
+    int head, j;
+  };
+  struct Stride {  // units (or vectors) per head, and 32 of them as whole heads plus j
+    int per_head, heads, j;
+  };
+  __device__ __forceinline__ static Stride stride_of(int per_head) {
+    return {per_head, 32 / per_head, 32 % per_head};
+  }
+  __device__ __forceinline__ static Cursor cursor_at(int flat, const Stride& s) {
+    return {flat / s.per_head, flat % s.per_head};
+  }
+  __device__ __forceinline__ static void advance(Cursor& c, const Stride& s) {
+    c.j += s.j;
+    c.head += s.heads;
+    if (c.j >= s.per_head) c.j -= s.per_head, ++c.head;
+  }
+
   const KernelParams<kFreqCap>& p;
   int lane;
   int head_dim, rotary_dim, half, pairs_per_head, units_per_head, vecs_per_head;
   int q_units_per_token, k_units, v_vecs;
+  Stride units, vecs;  // q/k units per head; v vectors (kVec elements) per head
+  static constexpr int kSources = kKUnits + kVVecs;  ///< unit addresses a lane holds per item
+  static_assert(kSources >= kQUnits, "a q chunk's addresses fit the kv round's");
 
   __device__ explicit HeadOps(const KernelParams<kFreqCap>& params) : p(params) {
     lane = threadIdx.x & 31;
@@ -191,6 +217,8 @@ struct HeadOps {
     q_units_per_token = p.num_qo_heads * units_per_head;
     k_units = p.num_kv_heads * units_per_head;
     v_vecs = p.num_kv_heads * vecs_per_head;
+    units = stride_of(units_per_head);
+    vecs = stride_of(vecs_per_head);
   }
 
   __device__ __forceinline__ int q_chunks(int tokens) const {
@@ -209,12 +237,6 @@ struct HeadOps {
     return kInterleaved && kVec == 1 ? 2 * j : j * kVec;
   }
   __device__ __forceinline__ int partner() const { return kInterleaved ? 1 : half; }
-
-  __device__ __forceinline__ void load_unit(const Bits* head, int j, Raw& a, Raw& b) const {
-    const int first = unit_first(j);
-    a = IO::load(head + first);
-    if (kTwoAccesses && j < pairs_per_head) b = IO::load(head + first + partner());
-  }
 
   __device__ __forceinline__ void store_unit(Bits* head, int j, Raw a, Raw b) const {
     const int first = unit_first(j);
@@ -268,86 +290,111 @@ struct HeadOps {
     }
   }
 
-  // ---- q chunks: 32 * kQUnits consecutive units of the q heads of `tokens` tokens --------
-  struct QUnit {
-    int tok, head, j;
+  /// Where an item's loads go: one pointer per unit (nullptr past the last head), and which
+  /// units are pairs that read a second vector partner() elements further on.
+  struct Sources {
+    const Bits* at[kSources];
+    unsigned pairs;
   };
-  __device__ __forceinline__ bool q_unit(int tokens, int chunk, int i, QUnit& u) const {
-    const int flat = (chunk * kQUnits + i) * 32 + lane;
-    if (flat >= tokens * q_units_per_token) return false;
-    u.tok = tokens == 1 ? 0 : flat / q_units_per_token;
-    const int rem = flat - u.tok * q_units_per_token;
-    u.head = rem / units_per_head;
-    u.j = rem - u.head * units_per_head;
-    return true;
+  __device__ __forceinline__ void add_unit(Sources& s, int i, const void* base, int64_t row,
+                                           int64_t head_stride, int64_t t, Cursor c, int heads) const {
+    s.at[i] = c.head < heads ? static_cast<const Bits*>(base) + t * row + c.head * head_stride +
+                                   unit_first(c.j)
+                             : nullptr;
+    if (kTwoAccesses && c.j < pairs_per_head) s.pairs |= 1u << i;
+  }
+  __device__ __forceinline__ void load_unit(const Sources& s, int i, Raw& a, Raw& b) const {
+    if (s.at[i] == nullptr) return;
+    a = IO::load(s.at[i]);
+    if (s.pairs & (1u << i)) b = IO::load(s.at[i] + partner());
   }
 
-  __device__ __forceinline__ void load_q(int64_t t0, int tokens, int chunk,
-                                         Raw (&stage)[kStage]) const {
+  // ---- q chunks: 32 * kQUnits consecutive units of the token's q heads ---------------------
+  __device__ __forceinline__ int q_chunks() const {
+    return (q_units_per_token + 32 * kQUnits - 1) / (32 * kQUnits);
+  }
+  __device__ __forceinline__ Cursor q_first(int chunk) const {
+    return cursor_at(chunk * kQUnits * 32 + lane, units);
+  }
+
+  /// Addresses only (no memory access): may run before the previous grid has finished.
+  __device__ __forceinline__ Sources q_sources(int64_t t, int chunk) const {
+    Sources s{{}, 0u};
+    Cursor c = q_first(chunk);
 #pragma unroll
-    for (int i = 0; i < kQUnits; ++i) {
-      QUnit u;
-      if (!q_unit(tokens, chunk, i, u)) continue;
-      const Bits* src = static_cast<const Bits*>(p.q) + (t0 + u.tok) * p.q_row + u.head * p.q_head;
-      load_unit(src, u.j, stage[2 * i], stage[2 * i + 1]);
+    for (int i = 0; i < kQUnits; ++i, advance(c, units))
+      add_unit(s, i, p.q, p.q_row, p.q_head, t, c, p.num_qo_heads);
+    return s;
+  }
+
+  __device__ __forceinline__ void load_q(const Sources& s, Raw (&stage)[kStage]) const {
+#pragma unroll
+    for (int i = 0; i < kQUnits; ++i) load_unit(s, i, stage[2 * i], stage[2 * i + 1]);
+  }
+
+  __device__ __forceinline__ void finish_q(int64_t t, int chunk, const float* cos_row,
+                                           const float* sin_row, Raw (&stage)[kStage]) const {
+    Cursor c = q_first(chunk);
+#pragma unroll
+    for (int i = 0; i < kQUnits; ++i, advance(c, units)) {
+      if (c.head >= p.num_qo_heads) continue;
+      rotate_unit(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1]);
+      store_unit(static_cast<Bits*>(p.q_out) + t * p.qo_row + c.head * p.qo_head, c.j,
+                 stage[2 * i], stage[2 * i + 1]);
     }
   }
 
-  /// Table rows of token tok at cos_tab + tok * half.
-  __device__ __forceinline__ void finish_q(int64_t t0, int tokens, int chunk, const float* cos_tab,
-                                           const float* sin_tab, Raw (&stage)[kStage]) const {
-#pragma unroll
-    for (int i = 0; i < kQUnits; ++i) {
-      QUnit u;
-      if (!q_unit(tokens, chunk, i, u)) continue;
-      rotate_unit(cos_tab + u.tok * half, sin_tab + u.tok * half, u.j, stage[2 * i], stage[2 * i + 1]);
-      Bits* dst = static_cast<Bits*>(p.q_out) + (t0 + u.tok) * p.qo_row + u.head * p.qo_head;
-      store_unit(dst, u.j, stage[2 * i], stage[2 * i + 1]);
-    }
+  // ---- kv rounds: the token's k and v heads, 32 * (kKUnits, kVVecs) per round -------------
+  __device__ __forceinline__ Cursor k_first(int round) const {
+    return cursor_at(round * kKUnits * 32 + lane, units);
+  }
+  __device__ __forceinline__ Cursor v_first(int round) const {
+    return cursor_at(round * kVVecs * 32 + lane, vecs);
   }
 
-  // ---- kv rounds: token t's k and v heads, 32 * (kKUnits, kVVecs) per round --------------
-  __device__ __forceinline__ void load_kv(int64_t t, int round, Raw (&stage)[kStage]) const {
+  __device__ __forceinline__ Sources kv_sources(int64_t t, int round) const {
+    Sources s{{}, 0u};
+    Cursor c = k_first(round);
 #pragma unroll
-    for (int i = 0; i < kKUnits; ++i) {
-      const int u = (round * kKUnits + i) * 32 + lane;
-      if (u >= k_units) continue;
-      const int head = u / units_per_head, j = u - head * units_per_head;
-      load_unit(static_cast<const Bits*>(p.k) + t * p.k_row + head * p.k_head, j, stage[2 * i],
-                stage[2 * i + 1]);
-    }
+    for (int i = 0; i < kKUnits; ++i, advance(c, units))
+      add_unit(s, i, p.k, p.k_row, p.k_head, t, c, p.num_kv_heads);
+    c = v_first(round);
 #pragma unroll
-    for (int i = 0; i < kVVecs; ++i) {
-      const int u = (round * kVVecs + i) * 32 + lane;
-      if (u >= v_vecs) continue;
-      const int head = u / vecs_per_head, j = u - head * vecs_per_head;
-      stage[2 * kKUnits + i] =
-          IO::load(static_cast<const Bits*>(p.v) + t * p.v_row + head * p.v_head + j * kVec);
-    }
+    for (int i = 0; i < kVVecs; ++i, advance(c, vecs))
+      s.at[kKUnits + i] = c.head < p.num_kv_heads
+                              ? static_cast<const Bits*>(p.v) + t * p.v_row + c.head * p.v_head + c.j * kVec
+                              : nullptr;
+    return s;
+  }
+
+  __device__ __forceinline__ void load_kv(const Sources& s, Raw (&stage)[kStage]) const {
+#pragma unroll
+    for (int i = 0; i < kKUnits; ++i) load_unit(s, i, stage[2 * i], stage[2 * i + 1]);
+#pragma unroll
+    for (int i = 0; i < kVVecs; ++i)
+      if (s.at[kKUnits + i] != nullptr) stage[2 * kKUnits + i] = IO::load(s.at[kKUnits + i]);
   }
 
   __device__ __forceinline__ void finish_kv(int64_t t, const float* cos_row, const float* sin_row,
                                             int round, int64_t slot, bool to_pool,
                                             Raw (&stage)[kStage]) const {
+    Cursor c = k_first(round);
 #pragma unroll
-    for (int i = 0; i < kKUnits; ++i) {
-      const int u = (round * kKUnits + i) * 32 + lane;
-      if (u >= k_units) continue;
-      const int head = u / units_per_head, j = u - head * units_per_head;
-      rotate_unit(cos_row, sin_row, j, stage[2 * i], stage[2 * i + 1]);
-      store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + head * p.ko_head, j, stage[2 * i],
+    for (int i = 0; i < kKUnits; ++i, advance(c, units)) {
+      if (c.head >= p.num_kv_heads) continue;
+      rotate_unit(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1]);
+      store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j, stage[2 * i],
                  stage[2 * i + 1]);
       if (to_pool)
-        store_unit(static_cast<Bits*>(p.k_pool) + slot * p.kp_row + head * p.kp_head, j,
+        store_unit(static_cast<Bits*>(p.k_pool) + slot * p.kp_row + c.head * p.kp_head, c.j,
                    stage[2 * i], stage[2 * i + 1]);
     }
     if (!to_pool) return;
+    c = v_first(round);
 #pragma unroll
-    for (int i = 0; i < kVVecs; ++i) {
-      const int u = (round * kVVecs + i) * 32 + lane;
-      if (u >= v_vecs) continue;
-      const int head = u / vecs_per_head, j = u - head * vecs_per_head;
-      IO::store(static_cast<Bits*>(p.v_pool) + slot * p.vp_row + head * p.vp_head + j * kVec,
+    for (int i = 0; i < kVVecs; ++i, advance(c, vecs)) {
+      if (c.head >= p.num_kv_heads) continue;
+      IO::store(static_cast<Bits*>(p.v_pool) + slot * p.vp_row + c.head * p.vp_head + c.j * kVec,
                 stage[2 * kKUnits + i]);
     }
   }
@@ -358,54 +405,88 @@ struct HeadOps {
     if (slot >= p.pool_size && lane == 0) record_slot_error(p.error_record, t, slot, p.pool_size);
     return slot >= 0 && slot < p.pool_size;
   }
-
 };
+
+/// Keeps `x` computed here: the compiler may neither sink its computation below this point
+/// nor redo it later (used to finish address math before griddepcontrol.wait).
+template <class T>
+__device__ __forceinline__ void pin(T*& x) {
+  asm volatile("" : "+l"(x));
+}
+__device__ __forceinline__ void pin(unsigned& x) { asm volatile("" : "+r"(x)); }
+
+/// Grids up to this many CTAs read their parameters before waiting for the previous grid.
+constexpr unsigned kTouchParamsMaxGrid = 128;
+
+/// A CTA that lands on an SM which has not run this launch yet misses the constant cache on
+/// every parameter line it reads, ~250 cycles each, and after the wait those misses are the
+/// critical path of a small call. Here warp 0 reads every 8-byte word before inv_freq and
+/// each thread its first inv_freq entry `f0`, all before the wait; the values feed a branch
+/// to a no-op so the compiler keeps the loads here. Measured on H200: 0.3 us less per call
+/// at T = 1-128 under CUDA-graph replay, none at 256, slightly slower from 512 (docs/CUDA.md).
+template <int kFreqCap>
+__device__ __forceinline__ void touch_params(const KernelParams<kFreqCap>& p, double f0) {
+  constexpr int kWords = int(offsetof(KernelParams<kFreqCap>, inv_freq) / 8);
+  static_assert(kWords <= 32, "one warp reads the parameters before inv_freq");
+  unsigned long long w = 0;
+  if (threadIdx.x < kWords) w = reinterpret_cast<const unsigned long long*>(&p)[threadIdx.x];
+  if ((w ^ static_cast<unsigned long long>(__double_as_longlong(f0))) == 1ull) __nanosleep(1);
+}
 
 // ---- the kernel -------------------------------------------------------------------------------
 
 // At most 64 registers (launch bounds 256 x 4): 32 resident warps per SM instead of 25 at
 // the unconstrained 74-80, i.e. more loads in flight; measured 2-6% faster from T = 1024 up
 // (docs/CUDA.md), at the price of a few bytes of spills.
+//
+// CTA b handles token b. Items: the kv item (all kv rounds), then the q chunks; warp w takes
+// items w, w + warps, ... Everything that reads no global memory (the first item's addresses,
+// this thread's first inv_freq) is done before waiting for the previous grid, so after the
+// wait a warp issues its loads at once: at T = 1 the kernel is one short chain of latencies.
 template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved>
 __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
-    rope_pool_tile_kernel(const __grid_constant__ KernelParams<kFreqCap> p) {
+    rope_pool_token_kernel(const __grid_constant__ KernelParams<kFreqCap> p) {
   using Ops = HeadOps<E, kVec, kHeadDim, kFreqCap, kInterleaved>;
   using Raw = typename Ops::Raw;
   extern __shared__ float4 shared[];  // float4: 16-byte aligned table rows
   const Ops ops(p);
 
-  const int64_t tile = blockIdx.x / p.ctas_per_tile;
-  const int part = blockIdx.x - int(tile * p.ctas_per_tile);
-  const int64_t t0 = tile * p.tokens_per_cta;
-  const int64_t left = p.num_tokens - t0;
-  const int tokens = left < p.tokens_per_cta ? int(left) : p.tokens_per_cta;
+  const int64_t t = blockIdx.x;
   const int half = ops.half;
-  float* cos_tab = reinterpret_cast<float*>(shared);
-  float* sin_tab = cos_tab + p.tokens_per_cta * half;
+  float* cos_row = reinterpret_cast<float*>(shared);
+  float* sin_row = cos_row + half;
   // kPoolWriteScan: every slot of the call (T <= kMaxScanTokens) as stored (int32 or int64),
-  // after the table (2 * tokens_per_cta * half floats: the slots start 8-byte aligned).
-  void* scan_slots = sin_tab + p.tokens_per_cta * half;
+  // after the table (2 * half floats: the slots start 8-byte aligned).
+  void* scan_slots = sin_row + half;
   const bool scan = p.pool_write_mode == kPoolWriteScan;
 
-  // Items of this tile: one kv item per token (all its rounds), then the q chunks.
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
-  const int items = tokens + ops.q_chunks(tokens);
-  const int item_step = warps * p.ctas_per_tile;
-  int item = part * warps + warp;
+  const int items = 1 + ops.q_chunks();
+  int item = warp;
+
+  // Before the wait: addresses of the first item, and this thread's first frequency.
+  typename Ops::Sources src{{}, 0u};
+  if (item == 0) src = ops.kv_sources(t, 0);
+  else if (item < items) src = ops.q_sources(t, item - 1);
+#pragma unroll
+  for (int i = 0; i < Ops::kSources; ++i) pin(src.at[i]);
+  pin(src.pairs);
+  const int e0 = threadIdx.x;
+  const double f0 = e0 < half ? p.inv_freq[e0] : 0.0;
+  if (gridDim.x <= kTouchParamsMaxGrid) touch_params(p, f0);
 
   wait_for_previous_grid();
-  // Issue the first item's loads (and its slot) before the table is built.
   Raw stage[kStage];
   int64_t slot = -1;
-  if (item < tokens) {
-    slot = load_index(p.slots, p.slots_stride, p.slots_int64, t0 + item);
-    ops.load_kv(t0 + item, 0, stage);
+  if (item == 0) {
+    slot = load_index(p.slots, p.slots_stride, p.slots_int64, t);
+    ops.load_kv(src, stage);
   } else if (item < items) {
-    ops.load_q(t0, tokens, item - tokens, stage);
+    ops.load_q(src, stage);
   }
 
   // The call's slots go to shared memory with cp.async, in flight with the loads above and
-  // the position loads below (no registers held; measured 0.1 us faster at T = 256 than
+  // the position load below (no registers held; measured 0.1 us faster at T = 256 than
   // loading them after the table, the same below).
   if (scan) {
     const int64_t es = p.slots_int64 ? 8 : 4;
@@ -413,20 +494,17 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
       cp_async(static_cast<char*>(scan_slots) + u * es,
                static_cast<const char*>(p.slots) + u * p.slots_stride * es, p.slots_int64);
   }
-  for (int e = threadIdx.x; e < tokens * half; e += blockDim.x) {
-    const int tok = e / half, i = e - tok * half;
-    const int64_t pos = load_index(p.positions, p.positions_stride, p.positions_int64, t0 + tok);
-    angle_sincos(pos, p.inv_freq[i], p.attention_scaling, &cos_tab[e], &sin_tab[e]);
+  if (e0 < half) {
+    const int64_t pos = load_index(p.positions, p.positions_stride, p.positions_int64, t);
+    for (int e = e0; e < half; e += blockDim.x)
+      angle_sincos(pos, e == e0 ? f0 : p.inv_freq[e], p.attention_scaling, &cos_row[e], &sin_row[e]);
   }
   if (scan) cp_async_wait_all();
   __syncthreads();
   allow_next_grid();
 
-  bool prefetched = true;
-  for (; item < items; item += item_step, prefetched = false) {
-    if (item < tokens) {
-      const int64_t t = t0 + item;
-      if (!prefetched) slot = load_index(p.slots, p.slots_stride, p.slots_int64, t);
+  for (bool prefetched = true; item < items; item += warps, prefetched = false) {
+    if (item == 0) {  // only ever a warp's first item: prefetched
       bool to_pool = ops.pool_row_valid(t, slot);
       if (scan && to_pool) {
         // Last token wins: skip the write when a later token of the call has this slot.
@@ -441,17 +519,17 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
       unsigned int* lock = nullptr;
       const int rounds = ops.kv_rounds();
       for (int r = 0; r < rounds; ++r) {
-        if (!(prefetched && r == 0)) ops.load_kv(t, r, stage);
+        if (r > 0) ops.load_kv(ops.kv_sources(t, r), stage);
         if (to_pool && p.pool_write_mode == kPoolWriteLock && lock == nullptr) {
           lock = slot_lock(slot);
           lock_row(lock, ops.lane);  // after the loads are in flight
         }
-        ops.finish_kv(t, cos_tab + item * half, sin_tab + item * half, r, slot, to_pool, stage);
+        ops.finish_kv(t, cos_row, sin_row, r, slot, to_pool, stage);
       }
       if (lock != nullptr) unlock_row(lock, ops.lane);
     } else {
-      if (!prefetched) ops.load_q(t0, tokens, item - tokens, stage);
-      ops.finish_q(t0, tokens, item - tokens, cos_tab, sin_tab, stage);
+      if (!prefetched) ops.load_q(ops.q_sources(t, item - 1), stage);
+      ops.finish_q(t, item - 1, cos_row, sin_row, stage);
     }
   }
 }

@@ -330,10 +330,9 @@ bool check_outputs(Problem& pr, const std::string& what, bool expect_written = t
 
 using detail::cuda_launch::LaunchConfig;
 
-/// Launch shapes the tests force besides the default: several tokens per CTA with fewer
-/// warps than items (warps loop over items, kv items not prefetched), and one token's items
-/// spread over two one-warp CTAs.
-enum class Kernel { Auto, MultiToken, Split };
+/// Launch shapes the tests force besides the default (one warp per item): fewer warps than
+/// items, so a warp loops over items and loads all but its first after the barrier.
+enum class Kernel { Auto, OneWarp, TwoWarps };
 
 /// The backend problem the public API would build (src/rope_pool.cpp), so a test can force
 /// a kernel. `schedule` keeps inv_freq alive.
@@ -356,7 +355,7 @@ detail::RopePoolProblem backend_problem(const RopePoolTensors& t, const RopePool
 }
 
 const char* kernel_name(Kernel k) {
-  return k == Kernel::MultiToken ? "3 tokens/CTA, 2 warps" : k == Kernel::Split ? "split over 2 CTAs" : "default";
+  return k == Kernel::OneWarp ? "1 warp" : k == Kernel::TwoWarps ? "2 warps" : "default";
 }
 
 /// Runs the op through the public API (Kernel::Auto) or with a forced kernel.
@@ -369,8 +368,7 @@ void call(Problem& pr, Kernel kernel, const CallOptions& o = {}) {
   detail::RopePoolProblem p = backend_problem(pr.dev, pr.params, schedule);
   p.check_slots = o.check_slots, p.stream = o.stream;
   LaunchConfig cfg;
-  if (kernel == Kernel::MultiToken) cfg.tokens_per_cta = 3, cfg.warps_per_cta = 2;
-  if (kernel == Kernel::Split) cfg.ctas_per_tile = 2, cfg.warps_per_cta = 1;
+  cfg.warps_per_cta = kernel == Kernel::OneWarp ? 1 : 2;
   detail::cuda_launch::rope_pool_cuda_with(p, cfg);
 }
 
@@ -437,7 +435,7 @@ void test_grid(bool quick, std::mt19937_64& rng) {
       }
   }
   for (const Case& c : cases)
-    for (Kernel k : {Kernel::Auto, Kernel::MultiToken, Kernel::Split}) run_case(c, k, rng);
+    for (Kernel k : {Kernel::Auto, Kernel::OneWarp, Kernel::TwoWarps}) run_case(c, k, rng);
   std::printf("grid: %zu cases x 3 launch shapes\n", cases.size());
 }
 
@@ -532,8 +530,8 @@ void test_slot_errors(std::mt19937_64& rng) {
   //    duplicate scheme and launch shape: shared-memory scan (T <= 256: the LAST token
   //    wins), per-slot locks (more tokens).
   for (DType dt : {DType::BFloat16, DType::Float32}) {
-    for (auto [T, kernel] : {std::pair{int64_t(200), Kernel::Auto}, {int64_t(600), Kernel::MultiToken},
-                             {int64_t(4096), Kernel::Auto}, {int64_t(200), Kernel::Split}}) {
+    for (auto [T, kernel] : {std::pair{int64_t(200), Kernel::Auto}, {int64_t(600), Kernel::OneWarp},
+                             {int64_t(4096), Kernel::Auto}, {int64_t(200), Kernel::TwoWarps}}) {
       Case d;
       d.dtype = dt, d.T = T, d.Hq = 4, d.Hk = 8, d.D = 128, d.pool = 8;
       d.index64 = dt == DType::Float32;  // the scan reads int32 and int64 slots
@@ -870,18 +868,15 @@ void bench(bool sweep, const std::vector<int64_t>& tokens, std::mt19937_64& rng)
       best = b;
     }
     if (sweep) {
-      // Launch shapes (warps, tokens per CTA, CTAs per token): graph replay time for T <= 256
-      // (decode: latency), plain-stream time above; the three fastest.
+      // Warps per CTA: graph replay time for T <= 256 (decode: latency), plain-stream time
+      // above; the three fastest.
       std::vector<std::pair<double, std::string>> tried;
-      for (int warps : {1, 2, 3, 4, 6, 8})
-        for (int tok : {1, 2, 4})
-          for (int split : {1, 2, 3, 4, 6}) {
-            if ((split > 1 && (T > 1024 || tok > 1)) || (T > 256 && warps == 1)) continue;
-            detail::cuda_launch::LaunchConfig c;
-            c.warps_per_cta = warps, c.tokens_per_cta = tok, c.ctas_per_tile = split;
-            const double tc = T <= 256 ? time_graph(w, s, c) : time_stream(w, c, s, 7, 10);
-            tried.emplace_back(tc, std::to_string(warps) + "," + std::to_string(tok) + "," + std::to_string(split));
-          }
+      for (int warps : {1, 2, 3, 4, 6, 8}) {
+        detail::cuda_launch::LaunchConfig c;
+        c.warps_per_cta = warps;
+        const double tc = T <= 256 ? time_graph(w, s, c) : time_stream(w, c, s, 7, 10);
+        tried.emplace_back(tc, std::to_string(warps) + " warps");
+      }
       std::sort(tried.begin(), tried.end());
       best += T <= 256 ? "graph " : "stream ";
       for (size_t k = 0; k < tried.size() && k < 3; ++k) {
@@ -891,8 +886,7 @@ void bench(bool sweep, const std::vector<int64_t>& tokens, std::mt19937_64& rng)
       }
     }
     char pl[32];
-    std::snprintf(pl, sizeof pl, "%d,%d,%d", plan.config.warps_per_cta, plan.config.tokens_per_cta,
-                  plan.config.ctas_per_tile);
+    std::snprintf(pl, sizeof pl, "%d warps", plan.config.warps_per_cta);
     const double gbps = w.bytes() / t;
     std::printf("%8lld %10.2f %9.0f %6.1f%% %10.2f %10.2f %14s  %s\n", (long long)T, t * 1e6, gbps / 1e9,
                 100 * gbps / copy, tg * 1e6, tn * 1e6, pl, best.c_str());
