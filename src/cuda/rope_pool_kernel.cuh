@@ -11,9 +11,10 @@
 //  - sin/cos of (token, frequency) are computed once into shared memory and shared by every
 //    q and k head of the token.
 //
-// Launch shape (docs/CUDA.md): a CTA owns `tokens_per_cta` tokens (one by default) and its
-// warps split the tile's items, one warp per item; each warp issues its first item's loads
-// before the sin/cos table is built, so memory latency overlaps the angle math.
+// Launch shape (docs/CUDA.md): one CTA per token, its warps split the token's items (one
+// warp per item by default). A warp computes its first item's addresses before waiting for
+// the previous grid (PDL) and issues the loads right after the wait, before the sin/cos
+// table is built, so memory latency overlaps the angle math.
 #pragma once
 
 #include <cstddef>
@@ -420,36 +421,49 @@ constexpr unsigned kTouchParamsMaxGrid = 128;
 
 /// A CTA that lands on an SM which has not run this launch yet misses the constant cache on
 /// every parameter line it reads, ~250 cycles each, and after the wait those misses are the
-/// critical path of a small call. Here warp 0 reads every 8-byte word before inv_freq and
-/// each thread its first inv_freq entry `f0`, all before the wait; the values feed a branch
-/// to a no-op so the compiler keeps the loads here. Measured on H200: 0.3 us less per call
-/// at T = 1-128 under CUDA-graph replay, none at 256, slightly slower from 512 (docs/CUDA.md).
+/// critical path of a small call. So, first thing, warp 0 reads every 8-byte word before
+/// inv_freq (and each thread its first inv_freq entry); just before the wait the values
+/// feed a branch to a no-op, which keeps the compiler from moving the loads past it.
+/// Measured on H200: 0.3 us less per call at T = 1-128 under CUDA-graph replay, none at
+/// 256, slightly slower from 512 (docs/CUDA.md).
 template <int kFreqCap>
-__device__ __forceinline__ void touch_params(const KernelParams<kFreqCap>& p, double f0) {
-  constexpr int kWords = int(offsetof(KernelParams<kFreqCap>, inv_freq) / 8);
+struct ParamTouch {
+  static constexpr int kWords = int(offsetof(KernelParams<kFreqCap>, inv_freq) / 8);
   static_assert(kWords <= 32, "one warp reads the parameters before inv_freq");
-  unsigned long long w = 0;
-  if (threadIdx.x < kWords) w = reinterpret_cast<const unsigned long long*>(&p)[threadIdx.x];
-  if ((w ^ static_cast<unsigned long long>(__double_as_longlong(f0))) == 1ull) __nanosleep(1);
-}
+  unsigned long long word = 0;
+
+  __device__ __forceinline__ void start(const KernelParams<kFreqCap>& p, bool on) {
+    if (on && threadIdx.x < kWords) word = reinterpret_cast<const unsigned long long*>(&p)[threadIdx.x];
+  }
+  __device__ __forceinline__ void finish(bool on, double f0) const {
+    if (on && (word ^ static_cast<unsigned long long>(__double_as_longlong(f0))) == 1ull)
+      __nanosleep(1);
+  }
+};
 
 // ---- the kernel -------------------------------------------------------------------------------
 
 // At most 64 registers (launch bounds 256 x 4): 32 resident warps per SM instead of 25 at
 // the unconstrained 74-80, i.e. more loads in flight; measured 2-6% faster from T = 1024 up
-// (docs/CUDA.md), at the price of a few bytes of spills.
+// (docs/CUDA.md), at the price of 8 bytes of spills on a few generic paths.
 //
 // CTA b handles token b. Items: the kv item (all kv rounds), then the q chunks; warp w takes
-// items w, w + warps, ... Everything that reads no global memory (the first item's addresses,
-// this thread's first inv_freq) is done before waiting for the previous grid, so after the
-// wait a warp issues its loads at once: at T = 1 the kernel is one short chain of latencies.
+// items w, w + warps, ... Everything that reads no global memory (the first item's addresses;
+// on small grids the parameters, see ParamTouch) is done before waiting for the previous
+// grid, so after the wait a warp issues its loads at once: at T = 1 the kernel is one short
+// chain of latencies (docs/CUDA.md has the measured timeline).
 template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved>
 __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
     rope_pool_token_kernel(const __grid_constant__ KernelParams<kFreqCap> p) {
   using Ops = HeadOps<E, kVec, kHeadDim, kFreqCap, kInterleaved>;
   using Raw = typename Ops::Raw;
   extern __shared__ float4 shared[];  // float4: 16-byte aligned table rows
+  const bool touch = gridDim.x <= kTouchParamsMaxGrid;
+  ParamTouch<kFreqCap> params_touched;
+  params_touched.start(p, touch);
   const Ops ops(p);
+  const int e0 = threadIdx.x;
+  const double f0 = touch && e0 < ops.half ? p.inv_freq[e0] : 0.0;  // read early when touching
 
   const int64_t t = blockIdx.x;
   const int half = ops.half;
@@ -464,16 +478,14 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
   const int items = 1 + ops.q_chunks();
   int item = warp;
 
-  // Before the wait: addresses of the first item, and this thread's first frequency.
+  // Before the wait: the first item's addresses.
   typename Ops::Sources src{{}, 0u};
   if (item == 0) src = ops.kv_sources(t, 0);
   else if (item < items) src = ops.q_sources(t, item - 1);
 #pragma unroll
   for (int i = 0; i < Ops::kSources; ++i) pin(src.at[i]);
   pin(src.pairs);
-  const int e0 = threadIdx.x;
-  const double f0 = e0 < half ? p.inv_freq[e0] : 0.0;
-  if (gridDim.x <= kTouchParamsMaxGrid) touch_params(p, f0);
+  params_touched.finish(touch, f0);
 
   wait_for_previous_grid();
   Raw stage[kStage];
@@ -497,7 +509,8 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
   if (e0 < half) {
     const int64_t pos = load_index(p.positions, p.positions_stride, p.positions_int64, t);
     for (int e = e0; e < half; e += blockDim.x)
-      angle_sincos(pos, e == e0 ? f0 : p.inv_freq[e], p.attention_scaling, &cos_row[e], &sin_row[e]);
+      angle_sincos(pos, touch && e == e0 ? f0 : p.inv_freq[e], p.attention_scaling, &cos_row[e],
+                   &sin_row[e]);
   }
   if (scan) cp_async_wait_all();
   __syncthreads();
