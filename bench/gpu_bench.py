@@ -40,6 +40,7 @@ short table last.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import math
 import os
@@ -306,6 +307,11 @@ def copy_same_bytes(nbytes):
 
 def main(argv=None):
     args = parse_args(argv)
+    # A run that hangs says where: every thread's stack, then exit (scripts/gpu_check.sh sets
+    # this below its own kill timeout).
+    watchdog_s = float(os.environ.get("ROPEPOOL_BENCH_WATCHDOG_S", "0"))
+    if watchdog_s > 0:
+        faulthandler.dump_traceback_later(watchdog_s, exit=True)
     if not torch.cuda.is_available():
         sys.exit("gpu_bench.py: no CUDA device")
     props = torch.cuda.get_device_properties(0)

@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_check.sh            # build, test, sanitize, benchmark; ~2-3 minutes
 #   GPU_CHECK_BENCH=0 bash scripts/gpu_check.sh   # the same without the benchmark
+#   GPU_CHECK_TESTS=0 bash scripts/gpu_check.sh   # builds and benchmarks only
 #
 # Expects: nvcc, python3 with torch (CUDA), nanobind, scikit-build-core, pytest, cmake and
 # ninja already installed; no network (pip runs with --no-build-isolation --no-deps).
@@ -122,8 +123,12 @@ step "pip install (CUDA)" $((SECONDS - t0)) "$([ "$PIP_RC" = 0 ] && echo PASS ||
 step "cmake build (CUDA, tests, CLI)" $((SECONDS - t0)) "$([ $CPP_RC = 0 ] && echo PASS || echo "FAIL(rc=$CPP_RC)")" "ptxas: ${REGS:0:80}"
 [ "$PIP_RC" = 0 ] && [ $CPP_RC = 0 ] || tail -n 40 "$LOGS/build.log"
 
+# GPU_CHECK_TESTS=0 skips steps 2b-5 (a benchmark-only rerun of code already tested).
+TESTS=${GPU_CHECK_TESTS:-1}
+[ "$TESTS" = 0 ] && step "tests (steps 2b-5)" 0 "SKIPPED" "GPU_CHECK_TESTS=0"
+
 # --- 2b: ctest ----------------------------------------------------------------------------
-if [ $CPP_RC = 0 ]; then
+if [ $CPP_RC = 0 ] && [ "$TESTS" != 0 ]; then
   run_step "ctest" "$LOGS/ctest.log" 300 ctest --test-dir "$BUILD/cpp" --output-on-failure -j "$JOBS"
   NOTES[-1]="$(grep -E 'tests passed|tests failed' "$LOGS/ctest.log" | tail -n 1)"
 fi
@@ -135,13 +140,13 @@ if [ $CPP_RC = 0 ]; then
     "$BUILD/cpp/libropepool.a" -L"${LIBDIR:-/usr/lib/x86_64-linux-gnu}" -lhwy -lpthread \
     -o "$SELFTEST" >>"$LOGS/build.log" 2>&1 || echo "selftest: build failed" | tee -a "$LOGS/build.log"
 fi
-if [ -x "$SELFTEST" ]; then
+if [ -x "$SELFTEST" ] && [ "$TESTS" != 0 ]; then
   run_step "CUDA self-test (C++ driver)" "$LOGS/selftest.log" 300 "$SELFTEST" --test
   NOTES[-1]="$(grep -E '^tests:' "$LOGS/selftest.log" | tail -n 1)"
 fi
 
 # --- 4: pytest ---------------------------------------------------------------------------------
-if [ "$PIP_RC" = 0 ]; then
+if [ "$PIP_RC" = 0 ] && [ "$TESTS" != 0 ]; then
   # From a directory without the source package, so the installed one is imported.
   run_step "pytest (whole suite, GPU included)" "$LOGS/pytest.log" 300 \
     bash -c "cd /tmp && $PY -m pytest '$ROOT/tests/python' -q -p no:cacheprovider -rs --rootdir '$ROOT' -c '$ROOT/pyproject.toml'"
@@ -150,7 +155,9 @@ fi
 
 # --- 5: compute-sanitizer ----------------------------------------------------------------------
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-if [ -x "$SELFTEST" ] && [ -x "$SAN" ]; then
+if [ "$TESTS" = 0 ]; then
+  :
+elif [ -x "$SELFTEST" ] && [ -x "$SAN" ]; then
   run_step "compute-sanitizer memcheck (self-test, small grid)" "$LOGS/sanitizer.log" 300 \
     "$SAN" --tool memcheck --error-exitcode 99 --leak-check no "$SELFTEST" --test --sanitize
   NOTES[-1]="$(grep -E 'ERROR SUMMARY' "$LOGS/sanitizer.log" | tail -n 1)"
@@ -168,7 +175,8 @@ else
   fi
   if [ "$PIP_RC" = 0 ]; then
     run_step "bench/gpu_bench.py" "$LOGS/bench.log" 360 \
-      bash -c "cd /tmp && OUT='$LOGS' $PY '$ROOT/bench/gpu_bench.py' --json '$LOGS/gpu_bench.json'"
+      bash -c "cd /tmp && OUT='$LOGS' ROPEPOOL_BENCH_WATCHDOG_S=${ROPEPOOL_BENCH_WATCHDOG_S:-300} \
+        $PY '$ROOT/bench/gpu_bench.py' --json '$LOGS/gpu_bench.json'"
   fi
 fi
 
