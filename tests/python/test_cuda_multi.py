@@ -218,7 +218,9 @@ def test_cuda_graph_on_second_device(rng):
             run(case)
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # torch.cuda.graph's default capture stream lives on whichever device was current
+        # when it was first made; a capture on cuda:1 names a cuda:1 stream.
+        with torch.cuda.graph(graph, stream=s):
             q_rot, k_rot, _, _ = run(case)
     for _ in range(2):
         fresh = make_case("torch", "bfloat16", rng, T=T, Hq=Hq, Hk=Hk, D=D, P=P,
