@@ -7,31 +7,39 @@ One command, one process, one table:
     python bench/gpu_bench.py --tokens 1,4096 --json out.json
 
 Workload (Llama-3-8B attention): bfloat16, num_qo_heads 32, num_kv_heads 8, head_dim 128,
-rope_base 500000, int32 positions (random below 2^17) and slots (distinct random rows of a
-pool of max(65536, 4T) slots; none negative, so the PyTorch baselines need no host sync),
-T in 1, 16, 64, 256, 1024, 4096, 16384, 65536.
+rope_base 500000; inputs uniform in [-4, 4); int32 positions random below 2^17; int32
+slots: T distinct rows of a 262144-row cache, drawn from a random permutation (none
+negative, so the PyTorch contenders need no host sync); T in 1 .. 65536.
 
 Contenders, all computing the same function:
   ropepool   ropepool.rope_pool_fused (one kernel)
   eager      PyTorch: cos/sin of float64 angles, float32 rotation, cast, index_copy_ of k_rot
-             and v into the pools
+             and v into the pools (bench/torch_reference.py)
   compile    torch.compile of that same function (fullgraph, dynamic shapes: one compile)
-  copy       torch copy_ of a 1 GiB buffer: the bandwidth ceiling (bytes read + written)
+  copy       a device-to-device copy: the ceiling (bytes read + written), 1 GiB and the
+             same bytes as one call
 
-Before timing, ropepool's outputs are checked against eager's (q_rot/k_rot within 2 ulp,
-pool rows bit-identical to k_rot / v, nothing else in the pools changed).
+Cold inputs: every call reads the next of N input sets, N chosen so that one pass over
+them exceeds 4x the GPU's L2 (240 MB on an H200); the pools (2 x 512 MiB) are far larger
+than the L2 and every call writes random rows of them. Three modes, every contender:
+  per call     CUDA events around each single call
+  b2b          back-to-back: events around batches of 20 calls, time / 20
+  graph        CUDA graphs of 20 calls on 20 different input sets (as many graphs as the
+               cold rotation needs, replayed in turn), replay time / 20
+In each mode a GPU spin (torch.cuda._sleep) is queued before the timed region, so the
+events time the GPU's work, not the host's enqueueing; samples where the host still fell
+behind are retaken and, if that fails, counted and reported. Medians of --samples (>= 50)
+samples. An L2-hot per-call figure (one input set, reused) is reported for ropepool,
+labelled as such; it is never the headline.
 
-Timing: plain stream: median GPU time per call over batches of back-to-back calls timed with
-CUDA events, a GPU spin queued before each batch so the host's enqueueing does not show
-(GpuTimer; samples where the host still fell behind are counted and reported), inputs
-rotated among several input sets so the 60 MB L2 does not hold them all (a decode step reads
-its inputs from L2 in practice, so small T may still hit L2); "call us": the wall time of one
-Python call with the host included (batches of 20 calls ended by a synchronisation); CUDA
-graph (T <= 256): 20 calls over rotating sets captured once, the median GPU time of a replay
-divided by 20 (the headline figure); for ropepool also the marginal cost of a call, from
-graphs of 20 and 60 calls: (60 * t60 - 20 * t20) / 40.
-Effective bandwidth counts T * D * elem * (2 * Hq + 5 * Hk) + index bytes: q, k, v read,
-q_rot, k_rot, k_pool and v_pool rows written.
+Host time (the Python caller's view, no synchronisation): the wall time of many eager
+calls in a row divided by their number, for ropepool and, as a yardstick, one
+`torch.ops.aten.index_copy_` on the same pool.
+
+Effective bandwidth counts T * D * elem * (2 * Hq + 5 * Hk) + 8 T index bytes: q, k, v
+read, q_rot, k_rot, k_pool and v_pool rows written. Before timing, ropepool's outputs are
+checked against eager's (q_rot/k_rot within 2 ulp, pool rows bit-identical to k_rot / v,
+nothing else in the pools changed).
 
 Writes full results to --json (default $OUT/gpu_bench.json when $OUT is set) and prints a
 short table last.
@@ -60,6 +68,7 @@ except ImportError as e:  # still time the baselines, say why ropepool is missin
     ROPEPOOL_IMPORT_ERROR = str(e)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CALLS_PER_BATCH = 20  # back-to-back batches and graphs
 
 
 def parse_args(argv=None):
@@ -70,9 +79,12 @@ def parse_args(argv=None):
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--rope-base", type=float, default=500000.0)
-    p.add_argument("--graph-max-tokens", type=int, default=256)
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    p.add_argument("--seconds", type=float, default=0.4, help="timing budget per contender and T")
+    p.add_argument("--pool-rows", type=int, default=262144, help="rows of each cache pool")
+    p.add_argument("--l2-multiple", type=float, default=4.0,
+                   help="one pass over the input sets is at least this many L2s")
+    p.add_argument("--graph-max-tokens", type=int, default=4096)
+    p.add_argument("--samples", type=int, default=60, help="samples per median (>= 50)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
     p.add_argument("--seed", type=int, default=20240601)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
@@ -81,8 +93,6 @@ def parse_args(argv=None):
         args.json = os.path.join(os.environ["OUT"], "gpu_bench.json")
     return args
 
-
-# --- the contenders ---------------------------------------------------------------------------
 
 def torch_rope_pool(q, k, v, positions, slots, k_pool, v_pool, inv_freq64):
     """The eager contender (and what torch.compile compiles): every benchmark slot is >= 0,
@@ -94,49 +104,56 @@ def torch_rope_pool(q, k, v, positions, slots, k_pool, v_pool, inv_freq64):
 # --- workload ----------------------------------------------------------------------------------
 
 class Workload:
-    def __init__(self, T, args, gen, fused_qkv=False):
+    """N input sets for T tokens in one buffer per argument (set i is rows [iT, (i+1)T)), and
+    the two pools every call writes into."""
+
+    def __init__(self, T, args, gen, l2_bytes, min_sets=2, fused_qkv=False):
         self.T = T
         self.dtype = DTYPES[args.dtype]
         Hq, Hk, D = args.num_qo_heads, args.num_kv_heads, args.head_dim
         self.shape = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk, rope_base=args.rope_base)
-        self.P = max(65536, 4 * T)
+        self.P = args.pool_rows
+        if T > self.P:
+            raise SystemExit(f"gpu_bench.py: T = {T} exceeds --pool-rows {self.P}")
         es = torch.tensor([], dtype=self.dtype).element_size()
         self.bytes = T * D * es * (2 * Hq + 5 * Hk) + 2 * 4 * T
-        set_bytes = max(1, T * D * es * (Hq + 2 * Hk))
-        # Rotate among enough input sets that one round exceeds the L2 several times over.
-        n_sets = int(min(64, max(2, math.ceil(256e6 / set_bytes))))
-        dev = "cuda"
+        set_bytes = T * D * es * (Hq + 2 * Hk) + 2 * 4 * T
+        self.n_sets = max(min_sets, math.ceil(args.l2_multiple * l2_bytes / set_bytes))
+        self.cold_bytes = self.n_sets * set_bytes
+        n, dev = self.n_sets * T, "cuda"
 
         def uniform(*shape):
             return (torch.rand(*shape, generator=gen, device=dev) * 8 - 4).to(self.dtype)
 
-        def qkv():
-            if not fused_qkv:
-                return dict(q=uniform(T, Hq, D), k=uniform(T, Hk, D), v=uniform(T, Hk, D))
-            # views into one fused QKV projection output [T, (Hq + 2 Hk) * D], no copy
-            fused = uniform(T, (Hq + 2 * Hk) * D)
-            q, k, v = fused.split([Hq * D, Hk * D, Hk * D], dim=1)
-            return dict(q=q.unflatten(1, (Hq, D)), k=k.unflatten(1, (Hk, D)),
-                        v=v.unflatten(1, (Hk, D)))
-
-        self.sets = []
-        for _ in range(n_sets):
-            self.sets.append(dict(
-                **qkv(),
-                positions=torch.randint(0, 1 << 17, (T,), generator=gen, device=dev, dtype=torch.int32),
-                slots=torch.randperm(self.P, generator=gen, device=dev)[:T].to(torch.int32)))
+        if fused_qkv:  # views into one fused QKV projection output [nT, (Hq + 2 Hk) D], no copy
+            q, k, v = uniform(n, (Hq + 2 * Hk) * D).split([Hq * D, Hk * D, Hk * D], dim=1)
+            self.q, self.k, self.v = (x.unflatten(1, (-1, D)) for x in (q, k, v))
+        else:
+            self.q, self.k, self.v = uniform(n, Hq, D), uniform(n, Hk, D), uniform(n, Hk, D)
+        self.positions = torch.randint(0, 1 << 17, (n,), generator=gen, device=dev,
+                                       dtype=torch.int32)
+        # T distinct rows per set: consecutive slices of random permutations of the pool.
+        per_perm = self.P // T
+        perms = [torch.randperm(self.P, generator=gen, device=dev)[: per_perm * T]
+                 for _ in range(math.ceil(self.n_sets / per_perm))]
+        self.slots = torch.cat(perms)[:n].to(torch.int32)
         self.k_pool = uniform(self.P, Hk, D)
         self.v_pool = uniform(self.P, Hk, D)
         self.inv_freq64 = make_inv_freq(D, args.rope_base, dev)
+        self._sets = [self._views(i) for i in range(self.n_sets)]
+
+    def _views(self, i):
+        r = slice(i * self.T, (i + 1) * self.T)
+        return (self.q[r], self.k[r], self.v[r], self.positions[r], self.slots[r],
+                self.k_pool, self.v_pool)
 
     def args_of(self, i):
-        s = self.sets[i % len(self.sets)]
-        return (s["q"], s["k"], s["v"], s["positions"], s["slots"], self.k_pool, self.v_pool)
+        return self._sets[i % self.n_sets]
 
 
 def check(w, compiled):
     """ropepool vs eager on set 0: returns (problems, notes)."""
-    problems = []
+    problems, notes = [], []
     a = w.args_of(0)
     k0, v0 = w.k_pool.clone(), w.v_pool.clone()
     r = ropepool.rope_pool_fused(*a, **w.shape)
@@ -144,10 +161,9 @@ def check(w, compiled):
     w.k_pool.copy_(k0)
     w.v_pool.copy_(v0)
     t = torch_rope_pool(*a, w.inv_freq64)
-    t_kp, t_vp = w.k_pool.clone(), w.v_pool.clone()
+    t_vp = w.v_pool.clone()
     w.k_pool.copy_(k0)
     w.v_pool.copy_(v0)
-    notes = []
     if compiled is not None:
         # Inductor may contract into FMAs: informational, not a failure of ropepool.
         c = compiled(*a, w.inv_freq64)
@@ -178,20 +194,20 @@ def check(w, compiled):
 # --- timing ------------------------------------------------------------------------------------
 
 class GpuTimer:
-    """CUDA events around a batch of enqueued work, with a GPU spin (torch.cuda._sleep) queued
-    first: the GPU stays busy while the host enqueues the batch, so the events time the GPU's
-    work and not the host's Python/dispatch cost (as nvbench's blocking kernel does). If the
-    GPU reached the first event before the host had finished enqueueing, the sample is
-    retaken with twice the spin; `host_bound` counts samples that never got there."""
+    """CUDA events around enqueued work, with a GPU spin (torch.cuda._sleep) queued first: the
+    GPU stays busy while the host enqueues, so the events time the GPU's work and not the
+    host's Python/dispatch cost (as nvbench's blocking kernel does). If the GPU reached the
+    start event before the host had finished enqueueing, the sample is retaken with twice
+    the spin; `host_bound` counts samples that never got there."""
 
-    def __init__(self, spin_seconds):
-        self.spin_cycles = int(max(spin_seconds, 20e-6) * 2.0e9)  # SM clock <= 2 GHz
+    def __init__(self, spin_seconds=100e-6):
+        self.spin_cycles = int(spin_seconds * 2.0e9)  # SM clock <= 2 GHz
         self.start = torch.cuda.Event(enable_timing=True)
         self.end = torch.cuda.Event(enable_timing=True)
         self.host_bound = 0
 
     def __call__(self, enqueue):
-        for attempt in range(5):
+        for _ in range(5):
             torch.cuda._sleep(self.spin_cycles)
             self.start.record()
             enqueue()
@@ -206,56 +222,46 @@ class GpuTimer:
         return self.start.elapsed_time(self.end) * 1e-3
 
 
-def time_stream(fn, w, seconds):
-    """Median GPU seconds per call over batches of back-to-back calls, inputs rotating; and
-    the number of samples where the host could not keep ahead of the GPU."""
-    i = 0
-    for _ in range(3):
+def warm_up(fn, w):
+    for i in range(3):
+        fn(*w.args_of(i))
+    torch.cuda.synchronize()
+
+
+def time_per_call(fn, w, samples, start=0):
+    """Median GPU seconds of one call, each call (a retaken sample too) on the next input
+    set, so no call finds its inputs in the L2."""
+    timer, out, i = GpuTimer(), [], start
+
+    def one():
+        nonlocal i
         fn(*w.args_of(i))
         i += 1
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn(*w.args_of(i))
-    torch.cuda.synchronize()
-    one = max(time.perf_counter() - t0, 1e-6)  # host + GPU: an upper bound of either
-    per_batch = int(min(50, max(1, 0.01 / one)))
-    batches = int(min(40, max(5, seconds / (one * per_batch))))
-    timer = GpuTimer(1.5 * one * per_batch)
-    samples = []
+
+    for _ in range(samples):
+        out.append(timer(one))
+    return statistics.median(out), timer.host_bound
+
+
+def time_back_to_back(fn, w, samples, start=0):
+    """Median GPU seconds per call of batches of 20 calls back to back, inputs rotating."""
+    timer, out, i = GpuTimer(), [], start
 
     def batch():
         nonlocal i
-        for _ in range(per_batch):
+        for _ in range(CALLS_PER_BATCH):
             fn(*w.args_of(i))
             i += 1
 
-    for _ in range(batches):
-        samples.append(timer(batch) / per_batch)
-    return statistics.median(samples), timer.host_bound
+    for _ in range(samples):
+        out.append(timer(batch) / CALLS_PER_BATCH)
+    return statistics.median(out), timer.host_bound
 
 
-def time_call(fn, w, calls=200):
-    """Median wall seconds per call as a Python caller sees it (host dispatch included):
-    batches of 20 calls, each batch ended by a synchronisation."""
-    i = 0
-    for _ in range(3):
-        fn(*w.args_of(i))
-        i += 1
-    samples = []
-    for _ in range(max(1, calls // 20)):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            fn(*w.args_of(i))
-            i += 1
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) / 20)
-    return statistics.median(samples)
-
-
-def time_graph(fn, w, calls=20, replays=30):
-    """Median GPU seconds per call of a CUDA graph of `calls` calls over rotating input sets
-    (the replay's host submission hidden behind a spin, as in time_stream)."""
+def time_graph(fn, w, samples):
+    """Median GPU seconds per call of CUDA graphs of 20 calls on 20 different input sets; as
+    many graphs as the cold rotation needs (one memory pool, replayed in capture order)."""
+    n_graphs = max(1, w.n_sets // CALLS_PER_BATCH)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -263,22 +269,40 @@ def time_graph(fn, w, calls=20, replays=30):
             fn(*w.args_of(i))
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(*w.args_of(i))
-    for _ in range(3):
+    pool = torch.cuda.graph_pool_handle()
+    graphs = []
+    for g_i in range(n_graphs):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool, stream=s):
+            for c in range(CALLS_PER_BATCH):
+                fn(*w.args_of(g_i * CALLS_PER_BATCH + c))
+        graphs.append(g)
+    for g in graphs[: min(3, n_graphs)]:
         g.replay()
     torch.cuda.synchronize()
-    timer = GpuTimer(100e-6)
-    samples = [timer(g.replay) / calls for _ in range(replays)]
-    del g
-    return statistics.median(samples)
+    timer, out = GpuTimer(), []
+    for k in range(max(samples, 3)):
+        out.append(timer(graphs[(3 + k) % n_graphs].replay) / CALLS_PER_BATCH)
+    del graphs
+    return statistics.median(out), timer.host_bound, n_graphs
+
+
+def host_us_per_call(fn, args, calls=400):
+    """Wall microseconds per call of `calls` calls in a row, no synchronisation in between
+    (what an eager Python caller pays on the host)."""
+    for _ in range(10):
+        fn(*args)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(*args)
+    t = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return t / calls * 1e6
 
 
 def copy_seconds(n, reps, warmup):
-    """Median seconds of a device-to-device torch copy of n bytes (CUDA events around each of
-    `reps` copies, the first `warmup` not counted)."""
+    """Median seconds of a device-to-device torch copy of n bytes (events around each copy)."""
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -293,20 +317,15 @@ def copy_seconds(n, reps, warmup):
     return statistics.median(samples)
 
 
-def copy_bandwidth(nbytes=1 << 30):
-    """The ceiling: bytes read + written per second by a copy of nbytes."""
-    return 2 * nbytes / copy_seconds(nbytes, reps=12, warmup=2)
-
-
-def copy_same_bytes(nbytes):
-    """Seconds to copy nbytes/2 (read + write = nbytes): the per-size ceiling."""
-    return copy_seconds(max(16, nbytes // 2), reps=20, warmup=3)
-
-
 # --- main --------------------------------------------------------------------------------------
+
+MODES = ("call", "b2b", "graph")
+
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.samples < 50:
+        sys.exit("gpu_bench.py: --samples must be >= 50 (medians of at least 50)")
     # A run that hangs says where: every thread's stack, then exit (scripts/gpu_check.sh sets
     # this below its own kill timeout).
     watchdog_s = float(os.environ.get("ROPEPOOL_BENCH_WATCHDOG_S", "0"))
@@ -315,13 +334,15 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("gpu_bench.py: no CUDA device")
     props = torch.cuda.get_device_properties(0)
-    print(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}", flush=True)
+    l2 = props.L2_cache_size
+    print(f"device: {props.name}, {props.multi_processor_count} SMs, L2 {l2 / 1e6:.0f} MB; "
+          f"torch {torch.__version__}", flush=True)
     if ropepool is None:
         print(f"ropepool: NOT IMPORTABLE ({ROPEPOOL_IMPORT_ERROR}); timing the baselines only")
     elif not ropepool.cuda_backend:
         print("ropepool: built without the CUDA backend; timing the baselines only")
     have_ropepool = ropepool is not None and ropepool.cuda_backend
-    copy_bps = copy_bandwidth()
+    copy_bps = 2 * (1 << 30) / copy_seconds(1 << 30, reps=12, warmup=2)
     print(f"device-to-device copy (1 GiB): {copy_bps / 1e9:.0f} GB/s counting read + write", flush=True)
 
     compiled = None
@@ -332,45 +353,48 @@ def main(argv=None):
     gen.manual_seed(args.seed)
     rows, problems_all = [], []
     for T in args.tokens:
-        w = Workload(T, args, gen)
-        row = dict(T=T, bytes=w.bytes, input_sets=len(w.sets))
-        t_compile0 = time.perf_counter()
-        if compiled is not None:
-            compiled(*w.args_of(0), w.inv_freq64)  # (re)compile outside the timings
-            torch.cuda.synchronize()
-        row["compile_warmup_s"] = time.perf_counter() - t_compile0
+        with_graph = T <= args.graph_max_tokens
+        w = Workload(T, args, gen, l2, min_sets=CALLS_PER_BATCH if with_graph else 2)
+        row = dict(T=T, bytes=w.bytes, input_sets=w.n_sets, cold_MB=w.cold_bytes / 1e6)
+        contenders = {}
         if have_ropepool:
-            problems, notes = check(w, compiled) if T > 0 else ([], [])
+            problems, notes = check(w, compiled)
             row["problems"], row["notes"] = problems, notes
             problems_all += [f"T={T}: {p}" for p in problems]
-            rp = lambda *a: ropepool.rope_pool_fused(*a, **w.shape)  # noqa: E731
-            t, row["ropepool_host_bound_samples"] = time_stream(rp, w, args.seconds)
-            row["ropepool_us"] = t * 1e6
-            row["ropepool_call_us"] = time_call(rp, w) * 1e6
-        eager = lambda *a: torch_rope_pool(*a, w.inv_freq64)  # noqa: E731
-        t, row["eager_host_bound_samples"] = time_stream(eager, w, args.seconds)
-        row["eager_us"] = t * 1e6
+            contenders["ropepool"] = lambda *a: ropepool.rope_pool_fused(*a, **w.shape)
+        contenders["eager"] = lambda *a: torch_rope_pool(*a, w.inv_freq64)
         if compiled is not None:
-            comp = lambda *a: compiled(*a, w.inv_freq64)  # noqa: E731
-            t, row["compile_host_bound_samples"] = time_stream(comp, w, args.seconds)
-            row["compile_us"] = t * 1e6
-        row["copy_same_bytes_us"] = copy_same_bytes(w.bytes) * 1e6
-        if T <= args.graph_max_tokens:
-            if have_ropepool:
-                row["ropepool_graph_us"] = time_graph(rp, w) * 1e6
-                # The cost of one more call in a longer graph (an engine's decode graph holds
-                # hundreds of kernels): the graph's own start is not spread over the calls.
-                t60 = time_graph(rp, w, calls=60) * 1e6
-                row["ropepool_graph_marginal_us"] = (60 * t60 - 20 * row["ropepool_graph_us"]) / 40
-            row["eager_graph_us"] = time_graph(eager, w) * 1e6
-            if compiled is not None:
-                row["compile_graph_us"] = time_graph(comp, w) * 1e6
+            t0 = time.perf_counter()
+            compiled(*w.args_of(0), w.inv_freq64)  # (re)compile outside the timings
+            torch.cuda.synchronize()
+            row["compile_warmup_s"] = time.perf_counter() - t0
+            contenders["compile"] = lambda *a: compiled(*a, w.inv_freq64)
+        for name, fn in contenders.items():
+            warm_up(fn, w)
+            t, hb = time_per_call(fn, w, args.samples, start=3)
+            row[f"{name}_call_us"], row[f"{name}_call_host_bound"] = t * 1e6, hb
+            t, hb = time_back_to_back(fn, w, args.samples, start=3 + args.samples)
+            row[f"{name}_b2b_us"], row[f"{name}_b2b_host_bound"] = t * 1e6, hb
+            if with_graph:
+                t, hb, n_graphs = time_graph(fn, w, args.samples)
+                row[f"{name}_graph_us"], row[f"{name}_graph_host_bound"] = t * 1e6, hb
+                row["graphs"] = n_graphs
         if have_ropepool:
-            row["ropepool_GBps"] = w.bytes / (row["ropepool_us"] * 1e-6) / 1e9
-            row["ropepool_pct_copy"] = 100 * w.bytes / (row["ropepool_us"] * 1e-6) / copy_bps
+            rp = contenders["ropepool"]
+            hot = w.args_of(0)
+            row["ropepool_call_l2hot_us"] = statistics.median(
+                GpuTimer()(lambda: rp(*hot)) for _ in range(args.samples)) * 1e6
+            row["ropepool_host_us"] = host_us_per_call(rp, hot)
+            rows64 = hot[4].to(torch.int64)
+            row["index_copy_host_us"] = host_us_per_call(
+                lambda: torch.ops.aten.index_copy_(w.v_pool, 0, rows64, hot[2]), ())
+            for mode in ("call", "b2b"):
+                row[f"ropepool_{mode}_pct_copy"] = (
+                    100 * w.bytes / (row[f"ropepool_{mode}_us"] * 1e-6) / copy_bps)
+        row["copy_same_bytes_us"] = copy_seconds(max(16, w.bytes // 2), reps=20, warmup=3) * 1e6
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del w
+        del w, contenders
         torch.cuda.empty_cache()
 
     # SPEC §4: q/k/v as strided views into a fused QKV buffer against contiguous inputs.
@@ -378,52 +402,67 @@ def main(argv=None):
     for T in [t for t in args.tokens if t in (1, 4096, 65536)] if have_ropepool else []:
         times = {}
         for fused in (False, True):
-            w = Workload(T, args, gen, fused_qkv=fused)
+            w = Workload(T, args, gen, l2, fused_qkv=fused)
             rp = lambda *a: ropepool.rope_pool_fused(*a, **w.shape)  # noqa: E731
-            times[fused] = time_stream(rp, w, args.seconds)[0] * 1e6
+            warm_up(rp, w)
+            times[fused] = time_back_to_back(rp, w, args.samples)[0] * 1e6
             del w
             torch.cuda.empty_cache()
-        layout_rows.append(dict(T=T, contiguous_us=times[False], fused_qkv_us=times[True]))
+        layout_rows.append(dict(T=T, contiguous_b2b_us=times[False], fused_qkv_b2b_us=times[True]))
         print(json.dumps(layout_rows[-1]), flush=True)
 
     result = dict(device=props.name, torch=torch.__version__, copy_GBps=copy_bps / 1e9,
-                  dtype=args.dtype, num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads,
-                  head_dim=args.head_dim, rope_base=args.rope_base, rows=rows,
-                  problems=problems_all, ropepool=have_ropepool, layouts=layout_rows)
+                  l2_bytes=l2, dtype=args.dtype, num_qo_heads=args.num_qo_heads,
+                  num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                  rope_base=args.rope_base, pool_rows=args.pool_rows, samples=args.samples,
+                  rows=rows, problems=problems_all, ropepool=have_ropepool, layouts=layout_rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-
-    def f(x, fmt="{:.2f}"):
-        return fmt.format(x) if x is not None else "-"
-
-    print()
-    print(f"ropepool GPU bench: {props.name}, {args.dtype}, Hq {args.num_qo_heads}, Hk {args.num_kv_heads}, "
-          f"D {args.head_dim}; copy ceiling {copy_bps / 1e9:.0f} GB/s (read + write)")
-    print("GPU us per call (host enqueueing hidden; 'call us': wall time of a Python call, host included)")
-    print(f"{'T':>6} {'ropepool us':>11} {'GB/s':>6} {'%copy':>6} {'call us':>8} {'eager us':>9} {'compile us':>10} "
-          f"{'x compile':>9} | {'graph: ropepool':>15} {'eager':>7} {'compile':>8}")
-    for r in rows:
-        speedup = r["compile_us"] / r["ropepool_us"] if "compile_us" in r and "ropepool_us" in r else None
-        print(f"{r['T']:>6} {f(r.get('ropepool_us')):>11} {f(r.get('ropepool_GBps'), '{:.0f}'):>6} "
-              f"{f(r.get('ropepool_pct_copy'), '{:.1f}'):>6} {f(r.get('ropepool_call_us')):>8} {f(r['eager_us']):>9} {f(r.get('compile_us')):>10} "
-              f"{f(speedup, '{:.1f}x'):>9} | {f(r.get('ropepool_graph_us')):>15} {f(r.get('eager_graph_us')):>7} "
-              f"{f(r.get('compile_graph_us')):>8}")
-    for r in layout_rows:
-        print(f"T={r['T']}: contiguous q/k/v {r['contiguous_us']:.2f} us, views into a fused QKV "
-              f"buffer {r['fused_qkv_us']:.2f} us")
-    host_bound = [f"T={r['T']} {k.split('_')[0]}: {r[k]}" for r in rows for k in r
-                  if k.endswith("host_bound_samples") and r[k]]
-    if host_bound:
-        print("samples where the host fell behind the GPU (timings include host time): " + ", ".join(host_bound))
-    marginal = [f"T={r['T']} {r['ropepool_graph_marginal_us']:.2f}" for r in rows
-                if "ropepool_graph_marginal_us" in r]
-    if marginal:
-        print("ropepool graph replay, marginal us per call (graphs of 20 and 60 calls): " + ", ".join(marginal))
+    print_table(result)
     if problems_all:
         print("CHECK FAILED:\n  " + "\n  ".join(problems_all))
         return 1
     return 0 if have_ropepool else 2
+
+
+def print_table(r):
+    def f(x, fmt="{:.2f}"):
+        return fmt.format(x) if x is not None else "-"
+
+    rows = r["rows"]
+    print()
+    print(f"ropepool GPU bench: {r['device']}, {r['dtype']}, Hq {r['num_qo_heads']}, "
+          f"Hk {r['num_kv_heads']}, D {r['head_dim']}; pool {r['pool_rows']} rows; "
+          f"copy ceiling {r['copy_GBps']:.0f} GB/s (read + write)")
+    print(f"GPU us per call, cold inputs (> 4x L2), random slots, median of {r['samples']}; "
+          "call = one call between events, b2b = batches of 20, graph = graphs of 20 calls")
+    names = [n for n in ("ropepool", "eager", "compile") if f"{n}_call_us" in rows[0]]
+    head = f"{'T':>6}"
+    for n in names:
+        head += " | " + " ".join(f"{n[:8] + ' ' + m:>14}" for m in MODES)
+    print(head + f" | {'%copy call':>10} {'%copy b2b':>9}")
+    for row in rows:
+        line = f"{row['T']:>6}"
+        for n in names:
+            line += " | " + " ".join(f"{f(row.get(f'{n}_{m}_us')):>14}" for m in MODES)
+        line += (f" | {f(row.get('ropepool_call_pct_copy'), '{:.1f}'):>10} "
+                 f"{f(row.get('ropepool_b2b_pct_copy'), '{:.1f}'):>9}")
+        print(line)
+    if "ropepool_call_l2hot_us" in rows[0]:
+        print("ropepool per call with ONE input set reused (L2-hot, not the headline): " +
+              ", ".join(f"T={x['T']} {x['ropepool_call_l2hot_us']:.2f}" for x in rows))
+        print("host us per eager Python call, no sync (ropepool / aten.index_copy_ yardstick): " +
+              ", ".join(f"T={x['T']} {x['ropepool_host_us']:.1f}/{x['index_copy_host_us']:.1f}"
+                        for x in rows))
+    for x in r["layouts"]:
+        print(f"T={x['T']} b2b: contiguous q/k/v {x['contiguous_b2b_us']:.2f} us, views into a "
+              f"fused QKV buffer {x['fused_qkv_b2b_us']:.2f} us")
+    host_bound = [f"T={x['T']} {k[:-len('_host_bound')]}: {x[k]}" for x in rows for k in x
+                  if k.endswith("_host_bound") and x[k]]
+    if host_bound:
+        print("samples where the host fell behind the GPU (they include host time): " +
+              ", ".join(host_bound))
 
 
 if __name__ == "__main__":
