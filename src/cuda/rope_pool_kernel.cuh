@@ -450,7 +450,7 @@ struct ParamTouch {
 // items w, w + warps, ... Everything that reads no global memory (the first item's addresses;
 // on small grids the parameters, see ParamTouch) is done before waiting for the previous
 // grid, so after the wait a warp issues its loads at once: at T = 1 the kernel is one short
-// chain of latencies (docs/CUDA.md has the measured timeline).
+// chain of latencies (the measured timeline is in docs/NOTES.md).
 template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved>
 __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
     rope_pool_token_kernel(const __grid_constant__ KernelParams<kFreqCap> p) {
