@@ -6,7 +6,8 @@
 
 Takes PyTorch tensors (CPU, and CUDA when built with the CUDA backend; registered as the
 custom op ``torch.ops.ropepool.rope_pool_fused`` so ``torch.compile(fullgraph=True)``
-traces it), NumPy arrays and other DLPack producers. See SPEC.md for the contract.
+traces it), NumPy arrays and other DLPack producers. The contract is docs/SPEC.md in the source
+repository.
 """
 
 from ropepool import _ropepool

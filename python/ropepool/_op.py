@@ -219,12 +219,12 @@ if torch is not None:
         "rope_pool_fused_(Tensor(c!) q, Tensor(d!) k, Tensor v, Tensor positions, "
         "Tensor slots, Tensor(a!) k_pool, Tensor(b!) v_pool, " + _SCHEMA_TAIL + " -> ()"
     )
-    _to_dlpack = torch._C._to_dlpack
-    _increment_version = torch._C._increment_version
-    # The raw getters inductor's generated code uses: ~10x cheaper than torch.cuda's wrappers.
-    _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
-                                  lambda device: torch.cuda.current_stream(device).cuda_stream)
-    _current_device = getattr(torch._C, "_cuda_getDevice", lambda: torch.cuda.current_device())
+    # Private torch APIs (each with a public fallback) are named in _torch_compat only.
+    from ropepool._torch_compat import current_device as _current_device
+    from ropepool._torch_compat import current_dispatch_mode as _dispatch_mode
+    from ropepool._torch_compat import current_raw_stream as _current_raw_stream
+    from ropepool._torch_compat import increment_version as _increment_version
+    from ropepool._torch_compat import to_dlpack as _to_dlpack
 
     def _run(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, head_dim,
              num_qo_heads, num_kv_heads, rope_base, check_slots=False, rotary_dim=0,
@@ -250,7 +250,6 @@ if torch is not None:
 
     _Tensor = torch.Tensor
     _is_compiling = torch.compiler.is_compiling
-    _dispatch_mode = torch.utils._python_dispatch._get_current_dispatch_mode
 
     def _plain_eager(tensors) -> bool:
         """True outside torch.compile tracing, with no dispatch mode active, when every

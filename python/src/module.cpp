@@ -6,6 +6,7 @@
 
 #include "bindings.hpp"
 #include "ropepool/error.hpp"
+#include "ropepool/version.hpp"
 
 namespace nb = nanobind;
 
@@ -38,7 +39,7 @@ void raise_with_note(PyObject* type, const char* message, const std::string& hin
 
 NB_MODULE(_ropepool, m) {
   m.doc() = "C++ core of ropepool (nanobind). Use the `ropepool` package instead.";
-  m.attr("__version__") = ROPEPOOL_VERSION;
+  m.attr("__version__") = ropepool::kVersion;
 #ifdef ROPEPOOL_WITH_CUDA
   m.attr("cuda_backend") = true;
 #else

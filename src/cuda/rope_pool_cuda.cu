@@ -216,12 +216,8 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
                 "CUDA backend");
 
   LaunchConfig c = overrides;
-  // A CTA per token, one warp per item: the token's items run side by side. Measured on
-  // H200 (Llama-3-8B shape) against 1-4 tokens per CTA, 1-8 warps, a token spread over 2-6
-  // CTAs (GPU time on a plain stream from T = 1024, CUDA-graph replay below), and against a
-  // persistent software-pipelined kernel: nothing was faster at any T by more than the
-  // run-to-run spread, and one warp per CTA over 3 CTAs was 0.5 us slower at T = 1
-  // (docs/CUDA.md), so the kernel knows only this shape and the warp count.
+  // A CTA per token, one warp per item, so the token's items run side by side; the warp
+  // count is the only choice left (no other shape measured faster: docs/CUDA.md).
   if (c.warps_per_cta <= 0)
     c.warps_per_cta = int(std::min<double>(cuda::kMaxWarpsPerCta, std::ceil(items_per_token)));
   c.warps_per_cta = std::clamp(c.warps_per_cta, 1, cuda::kMaxWarpsPerCta);
@@ -236,7 +232,7 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   if (plan.pool_write_mode == cuda::kPoolWriteScan) plan.shared_bytes += size_t(T) * 8;
   // PDL (docs/CUDA.md): this launch may start while the previous kernel on the stream
   // drains (it waits for that kernel in-kernel before touching memory) and lets the next one
-  // start once its table is built. Measured faster than without at every T.
+  // start once its table is built, which hides part of the launch gap at every T.
   if (c.pdl == 0) c.pdl = 1;
   if (plan.grid > 0x7fffffff)
     throw Error("rope_pool_fused: too many tokens for one CUDA launch, got " + std::to_string(T));

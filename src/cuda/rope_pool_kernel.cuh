@@ -423,9 +423,8 @@ constexpr unsigned kTouchParamsMaxGrid = 128;
 /// every parameter line it reads, ~250 cycles each, and after the wait those misses are the
 /// critical path of a small call. So, first thing, warp 0 reads every 8-byte word before
 /// inv_freq (and each thread its first inv_freq entry); just before the wait the values
-/// feed a branch to a no-op, which keeps the compiler from moving the loads past it.
-/// Measured on H200: 0.3 us less per call at T = 1-128 under CUDA-graph replay, none at
-/// 256, slightly slower from 512 (docs/CUDA.md).
+/// feed a branch to a no-op, which keeps the compiler from moving the loads past it. Large
+/// grids skip it: most of their CTAs find the parameters cached already (docs/CUDA.md).
 template <int kFreqCap>
 struct ParamTouch {
   static constexpr int kWords = int(offsetof(KernelParams<kFreqCap>, inv_freq) / 8);
@@ -444,14 +443,14 @@ struct ParamTouch {
 // ---- the kernel -------------------------------------------------------------------------------
 
 // At most 64 registers (launch bounds 256 x 4): 32 resident warps per SM instead of 25 at
-// the unconstrained 74-80, i.e. more loads in flight; measured 2-6% faster from T = 1024 up
+// the unconstrained 74-80, i.e. more loads in flight for the bandwidth-bound large calls
 // (docs/CUDA.md), at the price of 8 bytes of spills on a few generic paths.
 //
 // CTA b handles token b. Items: the kv item (all kv rounds), then the q chunks; warp w takes
 // items w, w + warps, ... Everything that reads no global memory (the first item's addresses;
 // on small grids the parameters, see ParamTouch) is done before waiting for the previous
 // grid, so after the wait a warp issues its loads at once: at T = 1 the kernel is one short
-// chain of latencies (docs/CUDA.md has the measured timeline).
+// chain of latencies (the measured timeline is in docs/NOTES.md).
 template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved>
 __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
     rope_pool_token_kernel(const __grid_constant__ KernelParams<kFreqCap> p) {
@@ -498,8 +497,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
   }
 
   // The call's slots go to shared memory with cp.async, in flight with the loads above and
-  // the position load below (no registers held; measured 0.1 us faster at T = 256 than
-  // loading them after the table, the same below).
+  // the position load below: no registers held, and their latency hides behind the table.
   if (scan) {
     const int64_t es = p.slots_int64 ? 8 : 4;
     for (int u = threadIdx.x; u < p.num_tokens; u += blockDim.x)

@@ -83,3 +83,62 @@ def test_the_bound_sees_one_ulp(rng):
     out.view(torch.int16)[where] += 2  # two ulps further from zero
     with pytest.raises(AssertionError, match="1 of 48 elements"):
         assert_within_bound(out, case.q, case.positions, case.rope_base, "off by 2 ulp")
+
+
+def test_torch_compat_fallbacks_without_private_names(monkeypatch):
+    """Every private torch API the op uses (ropepool._torch_compat) has a public fallback:
+    with the private names hidden, the module still imports, and the op run through the
+    fallbacks gives the same bits and bumps the same version counters as the normal path."""
+    import importlib
+
+    import ropepool._op as op
+    import ropepool._torch_compat as compat
+
+    names = ("to_dlpack", "increment_version", "current_raw_stream", "current_device",
+             "current_dispatch_mode")
+    with monkeypatch.context() as hidden:
+        for owner, name in compat.PRIVATE_NAMES:
+            if owner is not None:
+                hidden.delattr(owner, name, raising=False)
+        importlib.reload(compat)  # resolves every name without the private ones
+        fallbacks = {name: getattr(compat, name) for name in names}
+        missing = compat.missing
+    # The private names are back (a public fallback may call one internally, as
+    # torch.autograd.graph.increment_version does); reload for the other tests.
+    importlib.reload(compat)
+    assert set(missing) == {name for _, name in compat.PRIVATE_NAMES}
+    assert all(callable(fn) for fn in fallbacks.values())
+    assert fallbacks["current_dispatch_mode"]() is not None  # unknown: take the dispatcher
+
+    T, Hq, Hk, D, P = 5, 4, 2, 64, 16
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(T, H, D, generator=gen, dtype=torch.bfloat16) for H in (Hq, Hk, Hk))
+    positions = torch.tensor([0, 3, 70000, 9, 1 << 19], dtype=torch.int32)
+    slots = torch.tensor([2, -1, 15, 0, 7], dtype=torch.int64)
+    kw = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk, rope_base=10000.0)
+
+    def run():
+        k_pool = torch.zeros(P, Hk, D, dtype=torch.bfloat16)
+        v_pool = torch.zeros_like(k_pool)
+        before = k_pool._version
+        out = ropepool.rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, **kw)
+        assert out[2] is k_pool and k_pool._version > before
+        return out
+
+    expected = run()
+    called = []
+
+    def spy(name, fn):
+        def wrapper(*args):
+            called.append(name)
+            return fn(*args)
+        return wrapper
+
+    for name in names:  # _op.py imports each as `_<name>`, current_dispatch_mode as _dispatch_mode
+        global_name = "_dispatch_mode" if name == "current_dispatch_mode" else "_" + name
+        monkeypatch.setattr(op, global_name, spy(name, fallbacks[name]))
+    got = run()
+    # On the CPU the stream getters are not needed; the other three were used.
+    assert {"to_dlpack", "increment_version", "current_dispatch_mode"} <= set(called)
+    for e, g in zip(expected, got):
+        assert torch.equal(e.view(torch.int16), g.view(torch.int16))

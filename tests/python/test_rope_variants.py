@@ -25,7 +25,8 @@ from transformers.models.llama import modeling_llama  # noqa: E402
 
 # The oracle is transformers 4.x's ROPE_INIT_FUNCTIONS(config, device, seq_len) API, pinned
 # as 4.57.6 in requirements-dev.txt; 5.x reads config.rope_parameters instead. Elsewhere
-# (e.g. the GPU machine's image) the tests that need the oracle skip, the rest still run.
+# (e.g. a GPU image that ships transformers 5.x) the tests that need the oracle skip, the
+# rest still run.
 needs_hf4 = pytest.mark.skipif(
     not transformers.__version__.startswith("4."),
     reason=f"oracle written for transformers 4.x's rope API, found {transformers.__version__}")
