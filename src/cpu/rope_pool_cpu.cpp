@@ -19,27 +19,11 @@ namespace {
 constexpr int64_t kParallelMinBytes = 1 << 20;
 std::atomic<int64_t> g_parallel_min_bytes{kParallelMinBytes};
 
-// Highway is the default: faster than the auto-vectorised kernel everywhere it was measured.
-// Bench shape (bf16, Hq=32, Hk=8, D=128, pool 4T slots, random distinct slots, ~5% -1) on the
-// 2-vCPU Xeon (AVX-512) development VM, GB/s of read+write traffic, best of rounds, with the
-// second vCPU free (the VM is shared; medians under load are lower), via
-// `cpu_kernel_check bench`:
-//                                  T=4096 (109 MB)   T=32768 (873 MB)
-//   memcpy, 1 thread (glibc)             12.8              21.5   (*)
-//   highway, NT stores, 2 threads        38.8              23.7   (default for >= 16 MiB)
-//   highway, NT stores, 1 thread         18.1              12.5
-//   highway, plain stores, 2 threads     20.9              18.3
-//   autovec, plain stores, 2 threads     17.9              15.5
-//   autovec, plain stores, 1 thread       9.1               8.4
-// In cache (T=16, repeated) one thread: highway ~20-24 GB/s, autovec ~8.5 GB/s.
-// (*) glibc copies 55 MB with cached stores here (its non-temporal threshold follows the
-// VM's reported 480 MiB L3), 436 MB with non-temporal ones.
-std::atomic<KernelVariant> g_variant{KernelVariant::highway};
 // Calls moving at least this much use non-temporal stores (rows must be vector-aligned, as
 // framework tensors are). Their outputs (32 MiB of q_rot at 4096 tokens of 32 bf16 heads)
 // cannot stay in cache for the next op anyway, and skipping the read-for-ownership of every
-// written line (and of the randomly placed pool rows) is worth up to ~2x there (table
-// above); small calls (decode) keep their outputs in cache for the next op.
+// written line (and of the randomly placed pool rows) was worth up to ~2x there in
+// `ropepool bench` (docs/PERFORMANCE.md); small calls (decode) keep their outputs in cache for the next op.
 constexpr int64_t kStreamMinBytes = 16 << 20;
 std::atomic<int64_t> g_stream_min_bytes{kStreamMinBytes};
 
@@ -90,8 +74,6 @@ void run_item(const void* ctx, int64_t item) {
 
 }  // namespace
 
-void set_kernel_variant(KernelVariant v) { g_variant.store(v, std::memory_order_relaxed); }
-KernelVariant kernel_variant() { return g_variant.load(std::memory_order_relaxed); }
 void set_stream_min_bytes(int64_t bytes) { g_stream_min_bytes.store(bytes, std::memory_order_relaxed); }
 int64_t stream_min_bytes() { return g_stream_min_bytes.load(std::memory_order_relaxed); }
 void set_parallel_min_bytes(int64_t bytes) {
@@ -118,7 +100,7 @@ void rope_pool_cpu(const RopePoolProblem& p) {
   plan.problem = &p;
   plan.inv_freq_padded = inv_freq_padded.data();
   plan.table_size = table_size;
-  auto* run_block = kernel_variant() == KernelVariant::autovec ? run_block_autovec : run_block_hwy;
+  auto* run_block = run_block_hwy;
 
   const int64_t bytes = T * p.head_dim * int64_t(dtype_size(p.dtype)) *
                         (2 * p.num_qo_heads + 5 * p.num_kv_heads);
