@@ -318,9 +318,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  cudaDeviceProp prop{};
-  ROPEPOOL_CUDA_OK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs, %.0f MB L2\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6);
+  print_device();
   Rng rng(fresh_seed());
   bench(sweep, tokens, rng);
   if (!json.empty()) std::ofstream(json) << (g_json.empty() ? "{}" : g_json) << "\n";

@@ -565,9 +565,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  cudaDeviceProp prop{};
-  ROPEPOOL_CUDA_OK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs, %.0f MB L2\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6);
+  print_device();
   Rng rng(fresh_seed());
   std::printf("seed: %llu (replay: ROPEPOOL_TEST_SEED)\n", (unsigned long long)rng.seed());
   test_grid(quick, rng);

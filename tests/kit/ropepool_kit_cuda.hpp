@@ -33,4 +33,12 @@ struct DeviceBuffer {
   char* bytes_at(size_t off) const { return static_cast<char*>(ptr) + off; }
 };
 
+/// Prints device 0 (name, SMs, L2) as the first line of a test or benchmark log.
+inline void print_device() {
+  cudaDeviceProp prop{};
+  ROPEPOOL_CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, %.0f MB L2\n", prop.name, prop.multiProcessorCount,
+              prop.l2CacheSize / 1e6);
+}
+
 }  // namespace ropepool::test
