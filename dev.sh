@@ -2,9 +2,12 @@
 # ropepool developer entry point. Does all set-up on a fresh Debian 12 machine (apt packages,
 # a virtual environment in .venv, CMake builds) and then:
 #   ./dev.sh bench   build and run `ropepool bench` (the default workload)
-#   ./dev.sh test    build everything and run every test (C++, C++ under ASan+UBSan,
-#                    `ropepool verify`, the C++ example, Python; the CUDA kernel is
-#                    compiled into the Python package wherever nvcc exists)
+#   ./dev.sh test    build everything and run every test (C++ with every Highway target,
+#                    C++ under ASan+UBSan, `ropepool verify`, the C++ example, Python; the
+#                    CUDA kernel and its test are compiled wherever nvcc exists)
+# Each step has its own build folder (build-bench, build, build-asan, build-cuda), so no
+# step reconfigures another's. Tests labelled `gpu` need a GPU: built here, run by
+# scripts/gpu_check.sh.
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$PWD
@@ -42,21 +45,30 @@ cmake_build() {  # dir, extra cmake args...
   cmake --build "$dir" -j "$JOBS"
 }
 
+run_ctest() {  # dir, extra ctest args...: every test but the GPU ones; none found is an error
+  local dir=$1; shift
+  ctest --test-dir "$dir" --output-on-failure --no-tests=error -LE gpu -j "$JOBS" "$@"
+}
+
+# The CUDA backend (and its test target) is compiled wherever nvcc exists, even though no
+# GPU is here to run it.
+if command -v nvcc >/dev/null 2>&1; then cuda=ON; else cuda=OFF; fi
+
 case "${1:-}" in
   bench)
     shift
     apt_deps
     log "building (Release)"
-    cmake_build build -DROPEPOOL_WITH_CUDA=OFF -DROPEPOOL_BUILD_TESTS=OFF
+    cmake_build build-bench -DROPEPOOL_WITH_CUDA=OFF -DROPEPOOL_BUILD_TESTS=OFF
     log "ropepool bench $*"
-    ./build/ropepool bench "$@"
+    ./build-bench/ropepool bench "$@"
     ;;
   test)
     apt_deps
     venv
-    log "C++ build + GoogleTest"
+    log "C++ build + ctest (GoogleTest suites, every Highway target)"
     cmake_build build -DROPEPOOL_WITH_CUDA=OFF
-    ctest --test-dir build --output-on-failure -j "$JOBS"
+    run_ctest build
     log "ropepool verify"
     ./build/ropepool verify
     log "install + the C++ example as a downstream find_package(ropepool) project"
@@ -67,11 +79,12 @@ case "${1:-}" in
     log "C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
     cmake_build build-asan -DROPEPOOL_WITH_CUDA=OFF -DROPEPOOL_SANITIZE=ON -DROPEPOOL_BUILD_CLI=OFF \
       -DCMAKE_BUILD_TYPE=RelWithDebInfo
-    ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-      ctest --test-dir build-asan --output-on-failure -j "$JOBS"
-    # The package is built with the CUDA backend wherever nvcc exists, so the kernel is
-    # compiled (sm_90) on every run even though no GPU is here to run it.
-    if command -v nvcc >/dev/null 2>&1; then cuda=ON; else cuda=OFF; fi
+    ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 run_ctest build-asan
+    if [ "$cuda" = ON ]; then
+      log "CUDA backend, its test and benchmark: compiled only (sm_90; they run on a GPU)"
+      cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DROPEPOOL_WITH_CUDA=ON >/dev/null
+      cmake --build build-cuda -j "$JOBS" --target ropepool_test_cuda ropepool_bench_cuda
+    fi
     log "Python package (CUDA backend: $cuda) + pytest"
     ROPEPOOL_WITH_CUDA=$cuda CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
       .venv/bin/python -m pip install -q --no-build-isolation --no-deps .

@@ -14,13 +14,14 @@
 #
 # Steps (each runs even when an earlier one failed, unless it needs that one's output):
 #   1. pip install the package with the CUDA backend (sm_90)
-#   2. CMake build of the library with CUDA, the C++ tests and the CLI; ctest
-#   3. the CUDA self-test driver (src/cuda/selftest.cu): every kernel path vs the float64
-#      reference, SPEC §3 slot errors, duplicates, a pool over 4 GiB, CUDA graphs
+#   2. CMake build of the library with CUDA, the C++ tests (CUDA test included), the CUDA
+#      benchmark and the CLI; ctest of everything but the GPU tests (`-LE gpu`)
+#   3. the GPU tests (`ctest -L gpu`: tests/cuda/test_cuda.cu): every kernel path vs the
+#      float64 reference, SPEC §3 slot errors, duplicates, a pool over 4 GiB, CUDA graphs
 #   4. the whole pytest suite (CPU and GPU tests)
-#   5. compute-sanitizer memcheck on the self-test driver (small grid)
-#   6. the C++ driver's benchmark (the kernel alone, with and without PDL) and bench/gpu_bench.py
-#      (ropepool vs PyTorch eager, torch.compile, copy)
+#   5. compute-sanitizer memcheck on the CUDA test (small grid)
+#   6. the C++ benchmark (bench/cuda: the kernel alone, with and without PDL) and
+#      bench/gpu_bench.py (ropepool vs PyTorch eager, torch.compile, copy)
 # Logs go to $OUT (or ./gpu-check-logs): at most 8 files. A summary table is printed last.
 # Exit status: 0 when every step passed.
 set -uo pipefail
@@ -107,7 +108,8 @@ mkdir -p "$BUILD"
   echo "=== cmake configure"
   # -Xptxas -v: the register/spill report of every kernel lands in this log.
   cmake -S . -B "$BUILD/cpp" -G Ninja -DCMAKE_BUILD_TYPE=Release -DROPEPOOL_BUILD_TESTS=ON \
-    -DROPEPOOL_BUILD_CLI=ON "${CUDA_OPTS[@]}" "${CMAKE_DEPS[@]}" "-DCMAKE_CUDA_FLAGS=-Xptxas -v" &&
+    -DROPEPOOL_BUILD_BENCH=ON -DROPEPOOL_BUILD_CLI=ON "${CUDA_OPTS[@]}" "${CMAKE_DEPS[@]}" \
+    "-DCMAKE_CUDA_FLAGS=-Xptxas -v" &&
   echo "=== cmake build" && timeout --signal=KILL 420 cmake --build "$BUILD/cpp" -j "$JOBS"
 } >"$LOGS/build.log" 2>&1
 CPP_RC=$?
@@ -127,22 +129,20 @@ step "cmake build (CUDA, tests, CLI)" $((SECONDS - t0)) "$([ $CPP_RC = 0 ] && ec
 TESTS=${GPU_CHECK_TESTS:-1}
 [ "$TESTS" = 0 ] && step "tests (steps 2b-5)" 0 "SKIPPED" "GPU_CHECK_TESTS=0"
 
-# --- 2b: ctest ----------------------------------------------------------------------------
+# --- 2b: ctest (everything but the GPU tests) --------------------------------------------------
 if [ $CPP_RC = 0 ] && [ "$TESTS" != 0 ]; then
-  run_step "ctest" "$LOGS/ctest.log" 300 ctest --test-dir "$BUILD/cpp" --output-on-failure -j "$JOBS"
+  run_step "ctest -LE gpu" "$LOGS/ctest.log" 300 \
+    ctest --test-dir "$BUILD/cpp" --output-on-failure --no-tests=error -LE gpu -j "$JOBS"
   NOTES[-1]="$(grep -E 'tests passed|tests failed' "$LOGS/ctest.log" | tail -n 1)"
 fi
 
-# --- 3: CUDA self-test driver ------------------------------------------------------------------
-SELFTEST=$BUILD/rope_pool_cuda_selftest
-if [ $CPP_RC = 0 ]; then
-  nvcc -std=c++20 -O2 -lineinfo -arch=sm_90 -I"$ROOT/include" "$ROOT/src/cuda/selftest.cu" \
-    "$BUILD/cpp/libropepool.a" -L"${LIBDIR:-/usr/lib/x86_64-linux-gnu}" -lhwy -lpthread \
-    -o "$SELFTEST" >>"$LOGS/build.log" 2>&1 || echo "selftest: build failed" | tee -a "$LOGS/build.log"
-fi
-if [ -x "$SELFTEST" ] && [ "$TESTS" != 0 ]; then
-  run_step "CUDA self-test (C++ driver)" "$LOGS/selftest.log" 300 "$SELFTEST" --test
-  NOTES[-1]="$(grep -E '^tests:' "$LOGS/selftest.log" | tail -n 1)"
+# --- 3: the GPU tests (tests/cuda) ---------------------------------------------------------------
+CUDA_TEST=$BUILD/cpp/tests/cuda/ropepool_test_cuda
+CUDA_BENCH=$BUILD/cpp/bench/cuda/ropepool_bench_cuda
+if [ $CPP_RC = 0 ] && [ "$TESTS" != 0 ]; then
+  run_step "ctest -L gpu (CUDA test)" "$LOGS/selftest.log" 300 \
+    ctest --test-dir "$BUILD/cpp" --output-on-failure --no-tests=error -L gpu -V
+  NOTES[-1]="$(grep -oE 'tests: [0-9]+ checks, [0-9]+ failures' "$LOGS/selftest.log" | tail -n 1)"
 fi
 
 # --- 4: pytest ---------------------------------------------------------------------------------
@@ -157,21 +157,21 @@ fi
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 if [ "$TESTS" = 0 ]; then
   :
-elif [ -x "$SELFTEST" ] && [ -x "$SAN" ]; then
-  run_step "compute-sanitizer memcheck (self-test, small grid)" "$LOGS/sanitizer.log" 300 \
-    "$SAN" --tool memcheck --error-exitcode 99 --leak-check no "$SELFTEST" --test --sanitize
+elif [ -x "$CUDA_TEST" ] && [ -x "$SAN" ]; then
+  run_step "compute-sanitizer memcheck (CUDA test, small grid)" "$LOGS/sanitizer.log" 300 \
+    "$SAN" --tool memcheck --error-exitcode 99 --leak-check no "$CUDA_TEST" --sanitize
   NOTES[-1]="$(grep -E 'ERROR SUMMARY' "$LOGS/sanitizer.log" | tail -n 1)"
 else
-  step "compute-sanitizer" 0 "SKIPPED" "no self-test binary or no compute-sanitizer"
+  step "compute-sanitizer" 0 "SKIPPED" "no CUDA test binary or no compute-sanitizer"
 fi
 
 # --- 6: benchmarks --------------------------------------------------------------------------
 if [ "${GPU_CHECK_BENCH:-1}" = 0 ]; then
   step "benchmarks" 0 "SKIPPED" "GPU_CHECK_BENCH=0"
 else
-  if [ -x "$SELFTEST" ]; then
+  if [ -x "$CUDA_BENCH" ]; then
     # The kernel alone from C++ (no Python), with and without PDL.
-    run_step "CUDA C++ bench (self-test --bench)" "$LOGS/selftest.log" 300 "$SELFTEST" --bench
+    run_step "CUDA C++ bench (bench/cuda)" "$LOGS/selftest.log" 300 "$CUDA_BENCH"
   fi
   if [ "$PIP_RC" = 0 ]; then
     run_step "bench/gpu_bench.py" "$LOGS/bench.log" 360 \

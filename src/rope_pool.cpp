@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "test_hooks.hpp"
 #include "ropepool/error.hpp"
 #include "ropepool/rope_pool.hpp"
 #include "ropepool/schedule.hpp"
@@ -243,6 +244,14 @@ Checked check(const RopePoolTensors& t, const RopePoolParams& p, const CallOptio
 }  // namespace
 
 namespace detail {
+
+RopePoolProblem backend_problem(const RopePoolTensors& tensors, const RopePoolParams& params,
+                                const CallOptions& options, RopeSchedule& schedule) {
+  Checked checked = check(tensors, params, options);
+  // A moved vector keeps its storage, so problem.inv_freq stays valid.
+  schedule = std::move(checked.made_schedule);
+  return checked.problem;
+}
 
 // SPEC §3 on the host: the first out-of-range slot, and with strict checking the first
 // repeated one, are rejected before anything is written. The CUDA backend calls this on

@@ -66,7 +66,8 @@ struct CopyResult {
 };
 
 CopyResult measure_memcpy(size_t bytes, int threads, int reps) {
-  Buffer src(bytes), dst(bytes);
+  HostBuffer src("copy source", DType::Int32, int64_t(bytes / 4), 0),
+      dst("copy destination", DType::Int32, int64_t(bytes / 4), 0);
   // Touch both buffers first so page faults are not timed.
   parallel_for(int64_t(bytes), threads, [&](int64_t b, int64_t e) {
     std::memset(static_cast<char*>(src.data()) + b, 0x5a, size_t(e - b));
@@ -98,7 +99,7 @@ CopyResult measure_memcpy(size_t bytes, int threads, int reps) {
 // --- one token count ----------------------------------------------------------------------
 
 struct InputSet {
-  Buffer q, k, v, q_out, k_out, positions, slots;
+  std::unique_ptr<HostBuffer> q, k, v, q_out, k_out, positions, slots;
   RopePoolTensors tensors;
   uint64_t seed = 0;
 };
@@ -137,32 +138,36 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
   std::fprintf(stderr, "%s T=%lld: %lld input set(s) of %.1f MiB, pool of %lld slots: filling\n",
                stage_prefix, (long long)T, (long long)r.sets, double(set_bytes) / 1048576.0,
                (long long)P);
-  const uint64_t k_pool_seed = hash64(cfg.seed, uint64_t(T) * 4 + 1);
-  const uint64_t v_pool_seed = hash64(cfg.seed, uint64_t(T) * 4 + 2);
-  Buffer k_pool(size_t(P * Hk * D) * es), v_pool(size_t(P * Hk * D) * es);
-  fill_random(k_pool.data(), cfg.dtype, P * Hk * D, k_pool_seed, threads);
-  fill_random(v_pool.data(), cfg.dtype, P * Hk * D, v_pool_seed, threads);
+  const uint64_t k_pool_seed = counter_bits(cfg.seed, uint64_t(T) * 4 + 1);
+  const uint64_t v_pool_seed = counter_bits(cfg.seed, uint64_t(T) * 4 + 2);
+  HostBuffer k_pool("k_pool", cfg.dtype, P * Hk * D, 0), v_pool("v_pool", cfg.dtype, P * Hk * D, 0);
+  fill_uniform(k_pool.data(), cfg.dtype, P * Hk * D, k_pool_seed, -4, 4, threads);
+  fill_uniform(v_pool.data(), cfg.dtype, P * Hk * D, v_pool_seed, -4, 4, threads);
   const TensorView k_pool_view = TensorView::contiguous(k_pool.data(), cfg.dtype, {P, Hk, D});
   const TensorView v_pool_view = TensorView::contiguous(v_pool.data(), cfg.dtype, {P, Hk, D});
 
   std::vector<InputSet> sets(size_t(r.sets));
-  Rng rng(hash64(cfg.seed, uint64_t(T) * 4 + 3));
+  Rng rng(counter_bits(cfg.seed, uint64_t(T) * 4 + 3));
   std::vector<uint8_t> taken(size_t(P), 0);
   for (size_t s = 0; s < sets.size(); ++s) {
     InputSet& in = sets[s];
-    in.seed = hash64(cfg.seed, (uint64_t(T) << 20) + s);
-    in.q = Buffer(size_t(T * Hq * D) * es);
-    in.k = Buffer(size_t(T * Hk * D) * es);
-    in.v = Buffer(size_t(T * Hk * D) * es);
-    in.q_out = Buffer(size_t(T * Hq * D) * es);
-    in.k_out = Buffer(size_t(T * Hk * D) * es);
-    in.positions = Buffer(size_t(T) * is);
-    in.slots = Buffer(size_t(T) * is);
-    fill_random(in.q.data(), cfg.dtype, T * Hq * D, in.seed + 1, threads);
-    fill_random(in.k.data(), cfg.dtype, T * Hk * D, in.seed + 2, threads);
-    fill_random(in.v.data(), cfg.dtype, T * Hk * D, in.seed + 3, threads);
-    poison(in.q_out.data(), cfg.dtype, T * Hq * D, threads);
-    poison(in.k_out.data(), cfg.dtype, T * Hk * D, threads);
+    in.seed = counter_bits(cfg.seed, (uint64_t(T) << 20) + s);
+    in.q = std::make_unique<HostBuffer>("q", cfg.dtype, T * Hq * D, 0);
+    in.k = std::make_unique<HostBuffer>("k", cfg.dtype, T * Hk * D, 0);
+    in.v = std::make_unique<HostBuffer>("v", cfg.dtype, T * Hk * D, 0);
+    in.q_out = std::make_unique<HostBuffer>("q_out", cfg.dtype, T * Hq * D, 0);
+    in.k_out = std::make_unique<HostBuffer>("k_out", cfg.dtype, T * Hk * D, 0);
+    in.positions = std::make_unique<HostBuffer>("positions", cfg.index_dtype, T, 0);
+    in.slots = std::make_unique<HostBuffer>("slots", cfg.index_dtype, T, 0);
+    fill_uniform(in.q->data(), cfg.dtype, T * Hq * D, in.seed + 1, -4, 4, threads);
+    fill_uniform(in.k->data(), cfg.dtype, T * Hk * D, in.seed + 2, -4, 4, threads);
+    fill_uniform(in.v->data(), cfg.dtype, T * Hk * D, in.seed + 3, -4, 4, threads);
+    // Outputs all-ones (a NaN in every float dtype) so an element the op skips fails the
+    // check; written in parallel, like the inputs, so the pages are placed alike.
+    for (HostBuffer* out : {in.q_out.get(), in.k_out.get()})
+      parallel_for(int64_t(out->bytes()), threads, [&](int64_t b, int64_t e) {
+        std::memset(out->base() + b, 0xff, size_t(e - b));
+      });
     // Distinct random slots within a call (P >= 4T keeps rejection cheap), some skipped.
     std::vector<int64_t> slot(static_cast<size_t>(T)), pos(static_cast<size_t>(T));
     for (int64_t t = 0; t < T; ++t) {
@@ -181,21 +186,21 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
       if (sl >= 0) taken[size_t(sl)] = 0;
     for (int64_t t = 0; t < T; ++t) {
       if (is == 8) {
-        static_cast<int64_t*>(in.positions.data())[t] = pos[size_t(t)];
-        static_cast<int64_t*>(in.slots.data())[t] = slot[size_t(t)];
+        static_cast<int64_t*>(in.positions->data())[t] = pos[size_t(t)];
+        static_cast<int64_t*>(in.slots->data())[t] = slot[size_t(t)];
       } else {
-        static_cast<int32_t*>(in.positions.data())[t] = int32_t(pos[size_t(t)]);
-        static_cast<int32_t*>(in.slots.data())[t] = int32_t(slot[size_t(t)]);
+        static_cast<int32_t*>(in.positions->data())[t] = int32_t(pos[size_t(t)]);
+        static_cast<int32_t*>(in.slots->data())[t] = int32_t(slot[size_t(t)]);
       }
     }
     RopePoolTensors& tv = in.tensors;
-    tv.q = TensorView::contiguous(in.q.data(), cfg.dtype, {T, Hq, D});
-    tv.k = TensorView::contiguous(in.k.data(), cfg.dtype, {T, Hk, D});
-    tv.v = TensorView::contiguous(in.v.data(), cfg.dtype, {T, Hk, D});
-    tv.q_out = TensorView::contiguous(in.q_out.data(), cfg.dtype, {T, Hq, D});
-    tv.k_out = TensorView::contiguous(in.k_out.data(), cfg.dtype, {T, Hk, D});
-    tv.positions = TensorView::contiguous(in.positions.data(), cfg.index_dtype, {T});
-    tv.slots = TensorView::contiguous(in.slots.data(), cfg.index_dtype, {T});
+    tv.q = in.q->contiguous({T, Hq, D});
+    tv.k = in.k->contiguous({T, Hk, D});
+    tv.v = in.v->contiguous({T, Hk, D});
+    tv.q_out = in.q_out->contiguous({T, Hq, D});
+    tv.k_out = in.k_out->contiguous({T, Hk, D});
+    tv.positions = in.positions->contiguous({T});
+    tv.slots = in.slots->contiguous({T});
     tv.k_pool = k_pool_view;
     tv.v_pool = v_pool_view;
   }
@@ -210,8 +215,10 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
   for (size_t s = 0; s < sets.size(); ++s) {
     const RopePoolTensors& tv = sets[s].tensors;
     rope_pool_fused(tv, p);
-    r.q_check.merge(check_rotation("q_out", tv.q, tv.q_out, tv.positions, schedule, 0, T, threads));
-    r.k_check.merge(check_rotation("k_out", tv.k, tv.k_out, tv.positions, schedule, 0, T, threads));
+    RotationCheck how;
+    how.threads = threads;
+    r.q_check.merge(check_rotation("q_out", tv.q, tv.q_out, tv.positions, schedule, p.interleaved, how));
+    r.k_check.merge(check_rotation("k_out", tv.k, tv.k_out, tv.positions, schedule, p.interleaved, how));
     for (int64_t t = 0; t < T; ++t) {
       const int64_t slot = reference::load_index(tv.slots, t);
       if (slot < 0) continue;
@@ -231,14 +238,13 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
   CheckStats inputs_check;
   std::mutex mu;
   for (const InputSet& in : sets) {
-    for (auto [buf, count, seed] : {std::tuple{&in.q, T * Hq * D, in.seed + 1},
-                                    {&in.k, T * Hk * D, in.seed + 2},
-                                    {&in.v, T * Hk * D, in.seed + 3}})
+    for (auto [buf, count, seed] : {std::tuple{in.q.get(), T * Hq * D, in.seed + 1},
+                                    {in.k.get(), T * Hk * D, in.seed + 2},
+                                    {in.v.get(), T * Hk * D, in.seed + 3}})
       parallel_for(count, threads, [&](int64_t b, int64_t e) {
         CheckStats local;
         for (int64_t i = b; i < e; ++i)
-          if (load_bits(cfg.dtype, static_cast<const char*>(buf->data()) + size_t(i) * es) !=
-              encode(cfg.dtype, hash_uniform(seed, uint64_t(i), -4, 4)))
+          if (!holds_uniform(buf->data(), cfg.dtype, i, seed, -4, 4))
             local.fail(i, [&] { return "an input (q/k/v) element was modified by the call"; });
         std::lock_guard lock(mu);
         inputs_check.merge(local);
@@ -260,12 +266,8 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
       }
       local.elements += 2 * Hk * D;
       for (int64_t i = row * Hk * D; i < (row + 1) * Hk * D; ++i) {
-        const bool k_same =
-            load_bits(cfg.dtype, static_cast<const char*>(k_pool.data()) + size_t(i) * es) ==
-            encode(cfg.dtype, hash_uniform(k_pool_seed, uint64_t(i), -4, 4));
-        const bool v_same =
-            load_bits(cfg.dtype, static_cast<const char*>(v_pool.data()) + size_t(i) * es) ==
-            encode(cfg.dtype, hash_uniform(v_pool_seed, uint64_t(i), -4, 4));
+        const bool k_same = holds_uniform(k_pool.data(), cfg.dtype, i, k_pool_seed, -4, 4);
+        const bool v_same = holds_uniform(v_pool.data(), cfg.dtype, i, v_pool_seed, -4, 4);
         if (!k_same || !v_same) {
           local.fail(row, [&] {
             return "pool row " + std::to_string(row) + " was never a slot but changed";
@@ -520,7 +522,7 @@ int run_bench(Args& args) {
       for (const CheckStats* c : {&r.q_check, &r.k_check, &r.pool_check})
         if (!c->ok())
           std::printf("        %lld of %lld checked elements/rows wrong; first: %s\n",
-                      (long long)c->failures, (long long)c->elements, c->first_failure.c_str());
+                      (long long)c->failures, (long long)c->elements, c->first_failure().c_str());
     }
   }
   const double load_at_end = load_average();

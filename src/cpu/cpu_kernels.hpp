@@ -1,11 +1,12 @@
-// Internal interface of the CPU backend: the per-block kernels (Highway and plain
-// auto-vectorised variants), the vectorised sin/cos table and the thread pool they run on.
+// Internal interface of the CPU backend: the per-block Highway kernel, the vectorised
+// sin/cos table and the thread pool they run on.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
 #include "../backend.hpp"
+#include "../test_hooks.hpp"
 
 namespace ropepool::detail::cpu {
 
@@ -55,26 +56,6 @@ void sincos_table(const double* inv_freq, int64_t n, int64_t pos, float scale, f
 
 /// The Highway kernel (runtime dispatch to the best target this CPU supports).
 void run_block_hwy(const CallPlan& plan, const Block& block);
-/// The plain C++ kernel, auto-vectorised by the compiler in per-ISA clones.
-void run_block_autovec(const CallPlan& plan, const Block& block);
-
-/// float32 -> dtype with the kernels' vector rounding (RNE, NaN kept NaN), and back; for tests.
-void demote_row_hwy(DType dtype, const float* in, void* out, int64_t n);
-void promote_row_hwy(DType dtype, const void* in, float* out, int64_t n);
-
-/// Which kernel rope_pool_cpu uses (for measurements; the default is the faster one).
-enum class KernelVariant { highway, autovec };
-void set_kernel_variant(KernelVariant v);
-KernelVariant kernel_variant();
-/// Calls moving at least this many bytes use non-temporal stores (for measurements;
-/// negative = never).
-void set_stream_min_bytes(int64_t bytes);
-int64_t stream_min_bytes();
-/// Bytes of traffic per thread: smaller calls run on the caller alone (for tests).
-void set_parallel_min_bytes(int64_t bytes);
-int64_t parallel_min_bytes();
-/// The Highway target chosen on this CPU, e.g. "AVX3" (for reports).
-const char* hwy_target_name();
 
 /// Runs body(ctx, item) for every item in [0, num_items) on up to num_threads threads, the
 /// caller included; returns when all items are done. Falls back to the calling thread alone

@@ -19,9 +19,6 @@ namespace {
 constexpr int64_t kParallelMinBytes = 1 << 20;
 std::atomic<int64_t> g_parallel_min_bytes{kParallelMinBytes};
 
-// Highway is the default: faster than the auto-vectorised kernel everywhere it was measured
-// (figures in docs/NOTES.md, 2026-11-30).
-std::atomic<KernelVariant> g_variant{KernelVariant::highway};
 // Calls moving at least this much use non-temporal stores (rows must be vector-aligned, as
 // framework tensors are). Their outputs (32 MiB of q_rot at 4096 tokens of 32 bf16 heads)
 // cannot stay in cache for the next op anyway, and skipping the read-for-ownership of every
@@ -77,8 +74,6 @@ void run_item(const void* ctx, int64_t item) {
 
 }  // namespace
 
-void set_kernel_variant(KernelVariant v) { g_variant.store(v, std::memory_order_relaxed); }
-KernelVariant kernel_variant() { return g_variant.load(std::memory_order_relaxed); }
 void set_stream_min_bytes(int64_t bytes) { g_stream_min_bytes.store(bytes, std::memory_order_relaxed); }
 int64_t stream_min_bytes() { return g_stream_min_bytes.load(std::memory_order_relaxed); }
 void set_parallel_min_bytes(int64_t bytes) {
@@ -105,7 +100,7 @@ void rope_pool_cpu(const RopePoolProblem& p) {
   plan.problem = &p;
   plan.inv_freq_padded = inv_freq_padded.data();
   plan.table_size = table_size;
-  auto* run_block = kernel_variant() == KernelVariant::autovec ? run_block_autovec : run_block_hwy;
+  auto* run_block = run_block_hwy;
 
   const int64_t bytes = T * p.head_dim * int64_t(dtype_size(p.dtype)) *
                         (2 * p.num_qo_heads + 5 * p.num_kv_heads);

@@ -1,6 +1,6 @@
 // Internal host-side interface of the CUDA backend: the launch shape and a way to force one.
-// Used by the launcher (rope_pool_cuda.cu) and by the GPU self-test/tuning driver
-// (src/cuda/selftest.cu); not part of the public API.
+// Used by the launcher (rope_pool_cuda.cu), and through src/test_hooks.hpp by the CUDA test
+// (tests/cuda) and benchmark (bench/cuda); not part of the public API.
 #pragma once
 
 #include <cstdint>
@@ -16,7 +16,7 @@ struct LaunchConfig {
   /// Programmatic dependent launch: 1 on, -1 off, 0 default (on).
   int pdl = 0;
   /// Keep duplicate slots from mixing rows (SPEC §3): shared-memory scan or per-slot lock.
-  /// Only the tuning driver turns it off, to measure what it costs.
+  /// Only the benchmark turns it off, to measure what it costs.
   bool dedupe_rows = true;
 };
 
@@ -38,7 +38,7 @@ struct LaunchPlan {
 /// The plan `rope_pool_cuda` would use (no launch), with optional overrides.
 LaunchPlan plan_launch(const RopePoolProblem& problem, const LaunchConfig& overrides = {});
 
-/// `rope_pool_cuda` with forced launch parameters (the tuning driver's entry point).
+/// `rope_pool_cuda` with forced launch parameters (the benchmark's and the test's entry point).
 void rope_pool_cuda_with(const RopePoolProblem& problem, const LaunchConfig& overrides);
 
 }  // namespace ropepool::detail::cuda_launch

@@ -1,5 +1,6 @@
 // SPEC §1 math: every output element within the accuracy bound of the float64 reference,
-// over dtype x head size x head layout x token count, positions up to 2^20, NaN/Inf.
+// over dtype x head size x head layout x token count, positions up to 2^20, NaN/Inf; and
+// SPEC §4 over pairs (NeoX, GPT-J) x rotary_dim (full, partial) x every rope_scaling type.
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -84,6 +85,51 @@ INSTANTIATE_TEST_SUITE_P(ManyTokensMHA, MathGrid,
                          ::testing::Combine(kDtypes, ::testing::Values<int64_t>(128), ::testing::Values(Heads{8, 8}),
                                             ::testing::Values<int64_t>(4999)),
                          grid_name);
+
+// --- SPEC §4: pairs x rotary_dim x rope_scaling --------------------------------------------
+
+enum class Pairs { NeoX, GPTJ };
+enum class Rotary { Full, Partial };  // partial: rotary_dim = head_dim / 2 (rounded to even)
+using VariantParam = std::tuple<DType, int64_t, Pairs, Rotary, RopeType, int64_t>;  // ..., T
+
+class MathVariants : public SeededTest, public ::testing::WithParamInterface<VariantParam> {};
+
+TEST_P(MathVariants, MatchesReferenceAndWritesPool) {
+  const auto [dtype, head_dim, pairs, rotary, type, T] = GetParam();
+  Shape s;
+  s.dtype = dtype;
+  s.head_dim = head_dim;
+  s.num_qo_heads = 8;
+  s.num_kv_heads = 2;
+  s.num_tokens = T;
+  s.pool_size = T + T / 4 + 3;
+  s.interleaved = pairs == Pairs::GPTJ;
+  s.rotary_dim = rotary == Rotary::Full ? head_dim : head_dim / 4 * 2;
+  s.rope_scaling = scaling_preset(type, rotary == Rotary::Full ? head_dim : head_dim / 4 * 2);
+  Case c(s);
+  c.randomize(rng);
+  run_and_check(c);
+}
+
+std::string variant_name(const ::testing::TestParamInfo<VariantParam>& info) {
+  const auto [dtype, head_dim, pairs, rotary, type, T] = info.param;
+  return dtype_str(dtype) + "_D" + std::to_string(head_dim) + (pairs == Pairs::GPTJ ? "_gptj" : "_neox") +
+         (rotary == Rotary::Full ? "_full" : "_partial") + "_" + rope_type_name(type) + "_T" + std::to_string(T);
+}
+
+INSTANTIATE_TEST_SUITE_P(Spec4, MathVariants,
+                         ::testing::Combine(kDtypes, ::testing::Values<int64_t>(80, 128),
+                                            ::testing::Values(Pairs::NeoX, Pairs::GPTJ),
+                                            ::testing::Values(Rotary::Full, Rotary::Partial),
+                                            ::testing::ValuesIn(kAllRopeTypes), ::testing::Values<int64_t>(67)),
+                         variant_name);
+// The threaded path with the SPEC §4 extras.
+INSTANTIATE_TEST_SUITE_P(Spec4ManyTokens, MathVariants,
+                         ::testing::Combine(kDtypes, ::testing::Values<int64_t>(128), ::testing::Values(Pairs::GPTJ),
+                                            ::testing::Values(Rotary::Partial),
+                                            ::testing::Values(RopeType::Yarn, RopeType::Llama3),
+                                            ::testing::Values<int64_t>(4999)),
+                         variant_name);
 
 // --- rounding -------------------------------------------------------------------------------
 

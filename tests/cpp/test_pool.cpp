@@ -81,6 +81,40 @@ INSTANTIATE_TEST_SUITE_P(ManyTokens, Layouts,
                                             ::testing::Values(IndexLayout::Strided), ::testing::Values<int64_t>(3001)),
                          layout_name);
 
+// SPEC §4 extras on strided views: GPT-J pairs, partial rotary, yarn's attention factor.
+enum class Pairs { NeoX, GPTJ };
+using VariantParam = std::tuple<DType, Pairs, int64_t, RopeType>;  // dtype, pairs, rotary_dim, scaling
+class LayoutVariants : public SeededTest, public ::testing::WithParamInterface<VariantParam> {};
+
+TEST_P(LayoutVariants, SameBitsAsDenseAndGapsUntouched) {
+  const auto [dtype, pairs, rotary_dim, type] = GetParam();
+  Shape s;
+  s.dtype = dtype;
+  s.num_tokens = 77;
+  s.num_qo_heads = 6;
+  s.num_kv_heads = 2;
+  s.head_dim = 96;
+  s.pool_size = 100;
+  s.interleaved = pairs == Pairs::GPTJ;
+  s.rotary_dim = rotary_dim;
+  s.rope_scaling = scaling_preset(type, rotary_dim);
+  Case c(s, Layout{QkvLayout::Fused, PoolLayout::HeadMajor, OutLayout::Padded, IndexLayout::Strided});
+  c.randomize(rng);
+  expect_same_as_dense(c, rng);
+}
+
+std::string variant_name(const ::testing::TestParamInfo<VariantParam>& info) {
+  const auto [dtype, pairs, rotary_dim, type] = info.param;
+  return dtype_str(dtype) + (pairs == Pairs::GPTJ ? "_gptj" : "_neox") + "_R" + std::to_string(rotary_dim) + "_" +
+         rope_type_name(type);
+}
+
+INSTANTIATE_TEST_SUITE_P(Spec4, LayoutVariants,
+                         ::testing::Combine(kDtypes, ::testing::Values(Pairs::NeoX, Pairs::GPTJ),
+                                            ::testing::Values<int64_t>(96, 32),
+                                            ::testing::Values(RopeType::Default, RopeType::Yarn)),
+                         variant_name);
+
 // Size-1 dimensions may carry any stride (frameworks do not normalise them).
 TEST(UnitDims, AnyStrideOnSizeOneDimensions) {
   Rng rng(fresh_seed());

@@ -1,0 +1,326 @@
+// Benchmark of the CUDA kernel alone (no Python): the default workload (Llama-3-8B: bf16,
+// Hq 32, Hk 8, D 128) at T = 1..65536 (or --tokens), GPU time per call on a plain stream
+// (host enqueueing hidden behind a spin kernel) and under CUDA-graph replay, with and
+// without PDL and row deduplication; the device-to-device copy as the ceiling.
+//
+//   ropepool_bench_cuda [--sweep] [--tokens T1,T2,..] [--json FILE]
+//
+// --sweep  also the same workload over launch shapes (warps per CTA), to tune the heuristic
+//          in src/cuda/rope_pool_cuda.cu.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "ropepool/half.hpp"
+#include "ropepool/rope_pool.hpp"
+#include "ropepool/schedule.hpp"
+#include "ropepool_kit.hpp"
+#include "ropepool_kit_cuda.hpp"
+#include "test_hooks.hpp"
+
+using namespace ropepool;
+using namespace ropepool::test;
+
+namespace {
+
+std::string g_json;
+
+// ---- benchmark ---------------------------------------------------------------------------------
+
+struct BenchSet {
+  std::unique_ptr<DeviceBuffer> q, k, v, pos, slots, q_out, k_out;
+};
+
+struct Workload {
+  int64_t T, P, Hq = 32, Hk = 8, D = 128;
+  DType dtype = DType::BFloat16;
+  std::vector<BenchSet> sets;
+  std::unique_ptr<DeviceBuffer> k_pool, v_pool;
+  RopePoolParams params;
+  std::vector<double> inv_freq;
+  double bytes() const {
+    return double(T) * D * 2 * (2 * Hq + 5 * Hk) + 2.0 * 4 * T;  // + int32 positions, slots
+  }
+  Workload(int64_t tokens, Rng& rng) : T(tokens) {
+    P = std::max<int64_t>(65536, 4 * T);
+    params.head_dim = D, params.num_qo_heads = Hq, params.num_kv_heads = Hk, params.rope_base = 500000;
+    // Enough sets that one round does not fit the 60 MB L2 (at most 64 sets).
+    const double per_set = bytes();
+    const int n = int(std::clamp(std::ceil(256e6 / per_set), 2.0, 64.0));
+    k_pool = std::make_unique<DeviceBuffer>(size_t(P * Hk * D) * 2);
+    v_pool = std::make_unique<DeviceBuffer>(size_t(P * Hk * D) * 2);
+    ROPEPOOL_CUDA_OK(cudaMemset(k_pool->ptr, 0, k_pool->bytes));
+    ROPEPOOL_CUDA_OK(cudaMemset(v_pool->ptr, 0, v_pool->bytes));
+    std::vector<uint16_t> h;
+    std::uniform_real_distribution<float> u(-2.f, 2.f);
+    for (int i = 0; i < n; ++i) {
+      BenchSet s;
+      auto filled = [&](int64_t elems) {
+        auto b = std::make_unique<DeviceBuffer>(size_t(elems) * 2);
+        h.resize(size_t(elems));
+        for (auto& x : h) x = float_to_bf16(u(rng));
+        ROPEPOOL_CUDA_OK(cudaMemcpy(b->ptr, h.data(), b->bytes, cudaMemcpyHostToDevice));
+        return b;
+      };
+      s.q = filled(T * Hq * D), s.k = filled(T * Hk * D), s.v = filled(T * Hk * D);
+      s.q_out = std::make_unique<DeviceBuffer>(size_t(T * Hq * D) * 2);
+      s.k_out = std::make_unique<DeviceBuffer>(size_t(T * Hk * D) * 2);
+      std::vector<int32_t> pos(T), slots(T);
+      // Decode-like positions up to 128K; slots a random permutation window of the pool.
+      for (int64_t t = 0; t < T; ++t) pos[t] = int32_t(rng() % 131072), slots[t] = int32_t((t * 7919 + i * 13) % P);
+      s.pos = std::make_unique<DeviceBuffer>(size_t(T) * 4);
+      s.slots = std::make_unique<DeviceBuffer>(size_t(T) * 4);
+      ROPEPOOL_CUDA_OK(cudaMemcpy(s.pos->ptr, pos.data(), size_t(T) * 4, cudaMemcpyHostToDevice));
+      ROPEPOOL_CUDA_OK(cudaMemcpy(s.slots->ptr, slots.data(), size_t(T) * 4, cudaMemcpyHostToDevice));
+      sets.push_back(std::move(s));
+    }
+    inv_freq = make_rope_schedule(params).inv_freq;
+  }
+  detail::RopePoolProblem problem(int i, cudaStream_t stream) const {
+    const BenchSet& s = sets[size_t(i) % sets.size()];
+    detail::RopePoolProblem p;
+    p.dtype = dtype, p.num_tokens = T, p.num_qo_heads = Hq, p.num_kv_heads = Hk, p.head_dim = D;
+    p.rotary_dim = D, p.pool_size = P;
+    p.q = {s.q->ptr, Hq * D, D}, p.k = {s.k->ptr, Hk * D, D}, p.v = {s.v->ptr, Hk * D, D};
+    p.q_out = {s.q_out->ptr, Hq * D, D}, p.k_out = {s.k_out->ptr, Hk * D, D};
+    p.k_pool = {k_pool->ptr, Hk * D, D}, p.v_pool = {v_pool->ptr, Hk * D, D};
+    p.positions = {s.pos->ptr, 1, false}, p.slots = {s.slots->ptr, 1, false};
+    p.inv_freq = inv_freq.data();
+    p.stream = stream;
+    return p;
+  }
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+/// Spins for about `ns` nanoseconds of GPU time: queued before a timed batch, it keeps the
+/// GPU busy while the host enqueues the batch, so the events time the GPU, not the host.
+__global__ void spin_kernel(long long ns) {
+  const long long end = ns + [] {
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+  }();
+  for (;;) {
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t >= end) break;
+  }
+}
+
+/// Events around `enqueue()` with the host's enqueueing hidden behind a spin; returns the
+/// seconds between the events and doubles `spin_ns` (and retries) whenever the GPU reached
+/// the first event before the host had finished enqueueing.
+template <class F>
+double timed_on_gpu(cudaStream_t s, long long& spin_ns, F&& enqueue) {
+  cudaEvent_t a, b;
+  ROPEPOOL_CUDA_OK(cudaEventCreate(&a));
+  ROPEPOOL_CUDA_OK(cudaEventCreate(&b));
+  double seconds = 0;
+  for (int attempt = 0;; ++attempt) {
+    spin_kernel<<<1, 1, 0, s>>>(spin_ns);
+    ROPEPOOL_CUDA_OK(cudaEventRecord(a, s));
+    enqueue();
+    ROPEPOOL_CUDA_OK(cudaEventRecord(b, s));
+    const bool host_kept_up = cudaEventQuery(a) == cudaErrorNotReady;
+    ROPEPOOL_CUDA_OK(cudaEventSynchronize(b));
+    float ms = 0;
+    ROPEPOOL_CUDA_OK(cudaEventElapsedTime(&ms, a, b));
+    seconds = ms * 1e-3;
+    if (host_kept_up || attempt == 4) break;
+    spin_ns *= 2;
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return seconds;
+}
+
+/// Median GPU seconds per call over `batches` batches of `per_batch` back-to-back calls,
+/// inputs rotating among the workload's sets.
+double time_stream(const Workload& w, const detail::cuda_launch::LaunchConfig& cfg, cudaStream_t s,
+                   int batches = 15, int per_batch = 20) {
+  int i = 0;
+  for (int k = 0; k < 5; ++k) detail::cuda_launch::rope_pool_cuda_with(w.problem(i++, s), cfg);
+  long long spin_ns = 200000;
+  std::vector<double> t;
+  for (int r = 0; r < batches; ++r)
+    t.push_back(timed_on_gpu(s, spin_ns, [&] {
+                  for (int k = 0; k < per_batch; ++k)
+                    detail::cuda_launch::rope_pool_cuda_with(w.problem(i++, s), cfg);
+                }) / per_batch);
+  return median(t);
+}
+
+double time_graph(const Workload& w, cudaStream_t s, const detail::cuda_launch::LaunchConfig& cfg = {},
+                  int calls = 20, int reps = 30) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  detail::cuda_launch::rope_pool_cuda_with(w.problem(0, s), cfg);
+  ROPEPOOL_CUDA_OK(cudaStreamSynchronize(s));
+  ROPEPOOL_CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  for (int k = 0; k < calls; ++k) detail::cuda_launch::rope_pool_cuda_with(w.problem(k, s), cfg);
+  ROPEPOOL_CUDA_OK(cudaStreamEndCapture(s, &g));
+  ROPEPOOL_CUDA_OK(cudaGraphInstantiate(&ge, g, 0));
+  for (int k = 0; k < 3; ++k) ROPEPOOL_CUDA_OK(cudaGraphLaunch(ge, s));
+  long long spin_ns = 50000;
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r)
+    t.push_back(timed_on_gpu(s, spin_ns, [&] { ROPEPOOL_CUDA_OK(cudaGraphLaunch(ge, s)); }) / calls);
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  return median(t);
+}
+
+__global__ void empty_kernel() {}
+/// As big as the kernel's parameter block for head_dim 128 (inv_freq travels by value).
+struct BigParams {
+  double d[96];
+};
+__global__ void empty_kernel_big_params(const __grid_constant__ BigParams) {}
+
+/// Per-node time of a graph of 20 empty kernels: what launching costs in a graph (with
+/// `big`: a 768-byte parameter block, like the ropepool kernel's).
+double empty_graph_us(cudaStream_t s, bool big = false) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  ROPEPOOL_CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  for (int k = 0; k < 20; ++k) {
+    if (big) empty_kernel_big_params<<<1, 32, 0, s>>>(BigParams{{double(k)}});
+    else empty_kernel<<<1, 32, 0, s>>>();
+  }
+  ROPEPOOL_CUDA_OK(cudaStreamEndCapture(s, &g));
+  ROPEPOOL_CUDA_OK(cudaGraphInstantiate(&ge, g, 0));
+  for (int k = 0; k < 3; ++k) ROPEPOOL_CUDA_OK(cudaGraphLaunch(ge, s));
+  long long spin_ns = 50000;
+  std::vector<double> t;
+  for (int r = 0; r < 30; ++r)
+    t.push_back(timed_on_gpu(s, spin_ns, [&] { ROPEPOOL_CUDA_OK(cudaGraphLaunch(ge, s)); }) / 20);
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  return median(t);
+}
+
+double copy_bandwidth(cudaStream_t s) {
+  const size_t bytes = size_t(1) << 30;
+  DeviceBuffer src(bytes), dst(bytes);
+  ROPEPOOL_CUDA_OK(cudaMemset(src.ptr, 1, bytes));
+  cudaEvent_t a, b;
+  ROPEPOOL_CUDA_OK(cudaEventCreate(&a));
+  ROPEPOOL_CUDA_OK(cudaEventCreate(&b));
+  std::vector<double> t;
+  for (int r = 0; r < 12; ++r) {
+    ROPEPOOL_CUDA_OK(cudaEventRecord(a, s));
+    ROPEPOOL_CUDA_OK(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, s));
+    ROPEPOOL_CUDA_OK(cudaEventRecord(b, s));
+    ROPEPOOL_CUDA_OK(cudaEventSynchronize(b));
+    float ms = 0;
+    ROPEPOOL_CUDA_OK(cudaEventElapsedTime(&ms, a, b));
+    if (r >= 2) t.push_back(ms * 1e-3);
+  }
+  return 2.0 * double(bytes) / median(t);  // read + write
+}
+
+void bench(bool sweep, const std::vector<int64_t>& tokens, Rng& rng) {
+  cudaStream_t s;
+  ROPEPOOL_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const double copy = copy_bandwidth(s);
+  std::printf("device-to-device copy: %.0f GB/s (read + write)\n", copy / 1e9);
+  const double floor_us = empty_graph_us(s) * 1e6;
+  std::printf("graph replay of an empty kernel: %.2f us per node (the floor); with a 768-byte "
+              "parameter block: %.2f us\n", floor_us, empty_graph_us(s, true) * 1e6);
+  g_json += "{\"copy_GBps\": " + std::to_string(copy / 1e9) +
+            ", \"empty_graph_us\": " + std::to_string(floor_us) + ", \"rows\": [";
+  std::printf("%8s %10s %9s %7s %10s %10s %14s  %s\n", "T", "us/call", "GB/s", "%copy", "graph us",
+              "no-dedup us", "plan", "PDL off: us | graph us; best sweep (us)");
+  bool first_row = true;
+  for (int64_t T : tokens) {
+    Workload w(T, rng);
+    detail::cuda_launch::LaunchConfig def;
+    const auto plan = detail::cuda_launch::plan_launch(w.problem(0, s), def);
+    const double t = time_stream(w, def, s);
+    detail::cuda_launch::LaunchConfig nolock;
+    nolock.dedupe_rows = false;
+    const double tn = time_stream(w, nolock, s);
+    const double tg = T <= 256 ? time_graph(w, s) : 0;
+    std::string best;
+    {
+      detail::cuda_launch::LaunchConfig off;
+      off.pdl = -1;
+      char b[100];
+      std::snprintf(b, sizeof b, "%.2f | %.2f; ", time_stream(w, off, s) * 1e6,
+                    T <= 256 ? time_graph(w, s, off) * 1e6 : 0.0);
+      best = b;
+    }
+    if (sweep) {
+      // Warps per CTA: graph replay time for T <= 256 (decode: latency), plain-stream time
+      // above; the three fastest.
+      std::vector<std::pair<double, std::string>> tried;
+      for (int warps : {1, 2, 3, 4, 6, 8}) {
+        detail::cuda_launch::LaunchConfig c;
+        c.warps_per_cta = warps;
+        const double tc = T <= 256 ? time_graph(w, s, c) : time_stream(w, c, s, 7, 10);
+        tried.emplace_back(tc, std::to_string(warps) + " warps");
+      }
+      std::sort(tried.begin(), tried.end());
+      best += T <= 256 ? "graph " : "stream ";
+      for (size_t k = 0; k < tried.size() && k < 3; ++k) {
+        char b[60];
+        std::snprintf(b, sizeof b, "%s%s: %.2f", k ? ", " : "", tried[k].second.c_str(), tried[k].first * 1e6);
+        best += b;
+      }
+    }
+    char pl[32];
+    std::snprintf(pl, sizeof pl, "%d warps", plan.config.warps_per_cta);
+    const double gbps = w.bytes() / t;
+    std::printf("%8lld %10.2f %9.0f %6.1f%% %10.2f %10.2f %14s  %s\n", (long long)T, t * 1e6, gbps / 1e9,
+                100 * gbps / copy, tg * 1e6, tn * 1e6, pl, best.c_str());
+    char js[600];
+    std::snprintf(js, sizeof js,
+                  "%s{\"T\": %lld, \"us\": %.3f, \"GBps\": %.1f, \"graph_us\": %.3f, \"nolock_us\": %.3f, "
+                  "\"plan\": \"%s\", \"best\": \"%s\"}",
+                  first_row ? "" : ", ", (long long)T, t * 1e6, gbps / 1e9, tg * 1e6, tn * 1e6, pl, best.c_str());
+    g_json += js;
+    first_row = false;
+    std::fflush(stdout);
+  }
+  g_json += "]}";
+  cudaStreamDestroy(s);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool sweep = false;
+  std::string json;
+  std::vector<int64_t> tokens = {1, 16, 64, 256, 1024, 4096, 16384, 65536};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--sweep") sweep = true;
+    else if (a == "--bench") continue;  // the default (what the old driver needed)
+    else if (a == "--json" && i + 1 < argc) json = argv[++i];
+    else if (a == "--tokens" && i + 1 < argc) {
+      tokens.clear();
+      std::stringstream list(argv[++i]);
+      for (std::string t; std::getline(list, t, ',');) tokens.push_back(std::stoll(t));
+    } else {
+      std::fprintf(stderr, "usage: %s [--sweep] [--tokens T1,T2,..] [--json FILE]\n", argv[0]);
+      return 2;
+    }
+  }
+  print_device();
+  Rng rng(fresh_seed());
+  bench(sweep, tokens, rng);
+  if (!json.empty()) std::ofstream(json) << (g_json.empty() ? "{}" : g_json) << "\n";
+  return 0;
+}

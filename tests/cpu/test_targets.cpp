@@ -1,0 +1,350 @@
+// The CPU kernel on every Highway target this machine supports, with Highway's own test
+// pattern (hwy/tests/hwy_gtest.h): each test runs once per target, the library's dynamic
+// dispatch restricted to that target.
+//   KernelMatchesReference  random shapes, strides, partial rotary, GPT-J pairs, attention
+//                           scaling, duplicate / negative slots and NaN/Inf inputs, with 1-3
+//                           threads and both store paths: the whole call contract of the
+//                           test kit, "last token wins" for repeated slots, and agreement
+//                           with a plain scalar evaluation up to float rounding.
+//   DemoteIsExhaustive      float32 -> float16/bfloat16 of every float32 bit pattern (in
+//                           shards, so ctest spreads them over the cores), and every 16-bit
+//                           pattern widened back.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "test_targets.cpp"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+
+#ifndef ROPEPOOL_TEST_TARGETS_SHARED
+#define ROPEPOOL_TEST_TARGETS_SHARED
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ropepool_kit.hpp"
+#include "test_hooks.hpp"
+
+namespace ropepool::test {
+namespace {
+
+/// Shards of the 2^32 float32 patterns: one ctest entry each.
+constexpr int kDemoteShards = 4;
+/// Blocks of 2^20 patterns checked: all of them, except under AddressSanitizer (dev.sh's
+/// sanitizer pass), where every 16th block keeps the run short; the Release run is complete.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr uint64_t kDemoteBlockStride = 16;
+#else
+constexpr uint64_t kDemoteBlockStride = 1;
+#endif
+
+// ---- the first scalar backend, in behaviour, for "equal up to rounding" ----------------------
+template <class T, float (*Load)(T), T (*Store)(float)>
+void scalar_run(const detail::RopePoolProblem& p) {
+  const int64_t half = p.rotary_dim / 2, D = p.head_dim;
+  std::vector<float> c(static_cast<size_t>(half)), s(static_cast<size_t>(half));
+  auto at = [](const detail::Rows& r, int64_t row, int64_t h) {
+    return static_cast<T*>(r.data) + row * r.row_stride + h * r.head_stride;
+  };
+  auto rot = [&](const T* x, T* out, T* out2) {
+    for (int64_t i = 0; i < half; ++i) {
+      const int64_t ia = p.interleaved ? 2 * i : i, ib = p.interleaved ? 2 * i + 1 : i + half;
+      const float a = Load(x[ia]), b = Load(x[ib]);
+      const T lo = Store(a * c[size_t(i)] - b * s[size_t(i)]);
+      const T hi = Store(a * s[size_t(i)] + b * c[size_t(i)]);
+      out[ia] = lo, out[ib] = hi;
+      if (out2) out2[ia] = lo, out2[ib] = hi;
+    }
+    for (int64_t d = p.rotary_dim; d < D; ++d) {
+      out[d] = x[d];
+      if (out2) out2[d] = x[d];
+    }
+  };
+  for (int64_t t = 0; t < p.num_tokens; ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      const double theta = double(p.positions[t]) * p.inv_freq[i];
+      const float r = float(theta - std::nearbyint(theta / (2 * M_PI)) * (2 * M_PI));
+      c[size_t(i)] = float(p.attention_scaling) * std::cos(r);
+      s[size_t(i)] = float(p.attention_scaling) * std::sin(r);
+    }
+    const int64_t slot = p.slots[t];
+    for (int64_t h = 0; h < p.num_qo_heads; ++h) rot(at(p.q, t, h), at(p.q_out, t, h), nullptr);
+    for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+      rot(at(p.k, t, h), at(p.k_out, t, h), slot >= 0 ? at(p.k_pool, slot, h) : nullptr);
+      if (slot >= 0) std::memcpy(at(p.v_pool, slot, h), at(p.v, t, h), size_t(D) * sizeof(T));
+    }
+  }
+}
+float f32_load(float x) { return x; }
+float f32_store(float x) { return x; }
+
+void scalar_run_any(const detail::RopePoolProblem& p) {
+  if (p.dtype == DType::Float32) scalar_run<float, f32_load, f32_store>(p);
+  if (p.dtype == DType::Float16) scalar_run<uint16_t, half_to_float, float_to_half>(p);
+  if (p.dtype == DType::BFloat16) scalar_run<uint16_t, bf16_to_float, float_to_bf16>(p);
+}
+
+// Distance between two results of the same pair, in units of "one last place of the dtype
+// plus one float32 rounding of the inputs' size" (products round at the inputs' scale, so
+// a cancelling a*c - b*s may differ by many of its own last places and still be equal up to
+// float rounding).
+double rounding_units_apart(DType dt, double x, double y, double abs_a_plus_b) {
+  if (std::isnan(x) && std::isnan(y)) return 0;
+  if (x == y) return 0;
+  const double unit = reference::tolerance(dt, std::max(std::fabs(x), std::fabs(y)), 0) +
+                      std::ldexp(abs_a_plus_b, -24);
+  return std::fabs(x - y) / unit;
+}
+
+struct Flavour {
+  bool strided, duplicates, specials, check_slots, interleaved;
+  double scaling;
+  int64_t max_pos;
+};
+
+struct KernelCase {
+  DType dtype;
+  int64_t T, Hq, Hk, D, R;
+  Flavour f;
+};
+
+/// One call on the current target: the kit's contract, "last token wins", and the scalar
+/// evaluation within 8 rounding units.
+void check_kernel_case(const KernelCase& kc, Rng& rng, const std::string& label) {
+  SCOPED_TRACE(label);
+  Shape s;
+  s.dtype = kc.dtype;
+  s.num_tokens = kc.T;
+  s.num_qo_heads = kc.Hq;
+  s.num_kv_heads = kc.Hk;
+  s.head_dim = kc.D;
+  s.rotary_dim = kc.R;
+  s.interleaved = kc.f.interleaved;
+  s.position_dtype = s.slot_dtype = DType::Int64;
+  s.pool_size = kc.f.duplicates ? std::max<int64_t>(4, kc.T / 2) : kc.T * 2 + 3;
+  Layout l;
+  if (kc.f.strided) l = Layout{QkvLayout::Padded, PoolLayout::LayerOfStack, OutLayout::Padded, IndexLayout::Strided};
+  Case c(s, l);
+  c.params.attention_scaling = kc.f.scaling;
+  c.randomize(rng, 0.05);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (const TensorView* x : {&c.tensors.q, &c.tensors.k, &c.tensors.v})
+    for (int64_t t = 0; t < kc.T; ++t)
+      for (int64_t h = 0; h < x->shape[1]; ++h)
+        for (int64_t d = 0; d < kc.D; ++d) {
+          float v = normal(rng) * 3;
+          if (kc.f.specials && rng.integer(0, 999) < 3)
+            v = rng.integer(0, 2) == 0 ? NAN : (rng.chance(0.5) ? INFINITY : -INFINITY);
+          store(*x, t, h, d, v);
+        }
+  for (int64_t t = 0; t < kc.T; ++t) {
+    c.set_position(t, rng.integer(-kc.f.max_pos / 8, kc.f.max_pos));
+    if (kc.f.duplicates) {
+      c.set_slot(t, rng.integer(0, 999) < 50 ? -1 - rng.integer(0, 2) : rng.integer(0, s.pool_size - 1));
+    }
+  }
+  const Snapshot before = c.snapshot();
+  CallOptions options;
+  options.check_slots = kc.f.check_slots && !kc.f.duplicates;
+  ASSERT_NO_THROW(rope_pool_fused(c.tensors, c.params, options));
+  for (const std::string& problem : check_call(c, before)) ADD_FAILURE() << problem;
+
+  // Repeated slots: the last token wins, whatever the thread count.
+  const TensorView &k_pool = c.tensors.k_pool, &v_pool = c.tensors.v_pool;
+  std::vector<int64_t> last(size_t(s.pool_size), -1);
+  for (int64_t t = 0; t < kc.T; ++t)
+    if (c.slot(t) >= 0) last[size_t(c.slot(t))] = t;
+  for (int64_t slot = 0; slot < s.pool_size; ++slot)
+    if (const int64_t t = last[size_t(slot)]; t >= 0)
+      EXPECT_TRUE(rows_identical(k_pool, slot, c.tensors.k_out, t) && rows_identical(v_pool, slot, c.tensors.v, t))
+          << "pool row " << slot << " is not the last writer's (token " << t << ")";
+
+  // The scalar evaluation on a twin of the call (same inputs, the pools as before).
+  Case twin(s, l);
+  twin.restore(before);
+  twin.params = c.params;
+  RopeSchedule schedule;
+  const detail::RopePoolProblem p = detail::backend_problem(twin.tensors, twin.params, options, schedule);
+  scalar_run_any(p);
+  double worst_units = 0;
+  const int64_t half = kc.R / 2;
+  for (auto [in, out, ref] : {std::tuple{&c.tensors.q, &c.tensors.q_out, &twin.tensors.q_out},
+                              {&c.tensors.k, &c.tensors.k_out, &twin.tensors.k_out}})
+    for (int64_t t = 0; t < kc.T; ++t)
+      for (int64_t h = 0; h < in->shape[1]; ++h)
+        for (int64_t d = 0; d < kc.R; ++d) {
+          const int64_t i = kc.f.interleaved ? d / 2 : d % half;
+          const int64_t ia = kc.f.interleaved ? 2 * i : i, ib = kc.f.interleaved ? 2 * i + 1 : i + half;
+          const double ab = std::fabs(load(*in, t, h, ia)) + std::fabs(load(*in, t, h, ib));
+          const double got = load(*out, t, h, d), old = load(*ref, t, h, d);
+          if (std::isfinite(got) || std::isfinite(old))
+            worst_units = std::max(worst_units, rounding_units_apart(kc.dtype, got, old, ab));
+        }
+  EXPECT_LE(worst_units, 8) << "differs from the scalar evaluation by " << worst_units
+                            << " units (1 ulp + 2^-24 (|a|+|b|))";
+}
+
+void kernel_matches_reference(const char* target) {
+  // The library dispatches to the target under test.
+  ASSERT_STREQ(detail::cpu::hwy_target_name(), target);
+  const DType dtypes[] = {DType::Float32, DType::Float16, DType::BFloat16};
+  struct Dims {
+    int64_t T, Hq, Hk, D, R;
+  };
+  const Dims dims[] = {{1, 1, 1, 2, 2},      {3, 4, 2, 8, 8},       {17, 2, 1, 80, 80},
+                       {5, 3, 1, 128, 64},   {33, 8, 2, 64, 64},    {300, 8, 2, 128, 128},
+                       {700, 4, 4, 96, 32},  {40, 32, 8, 128, 128}, {2, 16, 4, 256, 256},
+                       {1200, 2, 2, 18, 12}, {9, 5, 3, 34, 34}};
+  const Flavour flavours[] = {{false, false, false, true, false, 1.0, 1 << 16},
+                              {true, false, false, false, false, 1.0, (1 << 20) - 1},
+                              {false, true, false, false, false, 1.25, 1 << 16},
+                              {true, true, true, false, false, 1.0, 1 << 16},
+                              {false, false, false, false, true, 1.0, 1 << 16},
+                              {true, true, false, false, true, 0.75, (1 << 20) - 1}};
+  Rng rng(fresh_seed());
+  SCOPED_TRACE("seed " + std::to_string(rng.seed()) + " (replay: ROPEPOOL_TEST_SEED)");
+  const int saved_threads = cpu_num_threads();
+  for (int threads : {1, 2, 3}) {
+    set_cpu_num_threads(threads);
+    // Non-temporal stores on every call with 2 threads (aligned rows take them), never
+    // with 1 or 3: both store paths are checked on every target.
+    detail::cpu::set_stream_min_bytes(threads == 2 ? 0 : -1);
+    // With 2 or 3 threads every call is split (tokens, or heads when tokens are few).
+    detail::cpu::set_parallel_min_bytes(threads == 1 ? 1 << 20 : 1);
+    for (DType dt : dtypes)
+      for (const Dims& d : dims)
+        for (size_t f = 0; f < std::size(flavours); ++f) {
+          const std::string label = std::string(target) + " threads=" + std::to_string(threads) + " " +
+                                    dtype_name(dt) + " T=" + std::to_string(d.T) + " Hq=" + std::to_string(d.Hq) +
+                                    " Hk=" + std::to_string(d.Hk) + " D=" + std::to_string(d.D) +
+                                    " R=" + std::to_string(d.R) + " flavour " + std::to_string(f);
+          check_kernel_case({dt, d.T, d.Hq, d.Hk, d.D, d.R, flavours[f]}, rng, label);
+          if (::testing::Test::HasFatalFailure()) return;
+        }
+  }
+  set_cpu_num_threads(saved_threads);
+  detail::cpu::set_stream_min_bytes(16 << 20);
+  detail::cpu::set_parallel_min_bytes(1 << 20);
+}
+
+void demote_is_exhaustive(const char* target, int shard) {
+  ASSERT_STREQ(detail::cpu::hwy_target_name(), target);
+  std::vector<float> in(1 << 20);
+  std::vector<uint16_t> out(1 << 20);
+  int64_t bad = 0;
+  const uint64_t per_shard = (uint64_t(1) << 32) / kDemoteShards;
+  for (uint64_t base = per_shard * uint64_t(shard); base < per_shard * uint64_t(shard + 1);
+       base += in.size() * kDemoteBlockStride) {
+    for (size_t i = 0; i < in.size(); ++i) in[i] = bits_float(uint32_t(base + i));
+    for (DType dt : {DType::Float16, DType::BFloat16}) {
+      detail::cpu::demote_row_hwy(dt, in.data(), out.data(), int64_t(in.size()));
+      for (size_t i = 0; i < in.size(); ++i) {
+        const uint16_t want = dt == DType::Float16 ? float_to_half(in[i]) : float_to_bf16(in[i]);
+        if (out[i] == want) continue;
+        // The kernel's bf16 rounding assumes what every NaN it can produce has: a zero low
+        // half (see RoundToBF16High); other NaN patterns never reach it.
+        if (dt == DType::BFloat16 && std::isnan(in[i]) && (float_bits(in[i]) & 0xffffu)) continue;
+        // NaN payloads may differ; NaN must stay NaN.
+        const float widened = dt == DType::Float16 ? half_to_float(out[i]) : bf16_to_float(out[i]);
+        if (std::isnan(in[i]) && std::isnan(widened)) continue;
+        if (++bad <= 5)
+          ADD_FAILURE() << "demote " << dtype_name(dt) << ": " << std::hex << uint32_t(base + i)
+                        << " -> " << out[i] << ", want " << want;
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  if (shard != 0) return;
+  // Every 16-bit pattern widened.
+  std::vector<uint16_t> all16(1 << 16);
+  std::iota(all16.begin(), all16.end(), 0);
+  std::vector<float> wide(1 << 16);
+  for (DType dt : {DType::Float16, DType::BFloat16}) {
+    detail::cpu::promote_row_hwy(dt, all16.data(), wide.data(), 1 << 16);
+    for (int i = 0; i < (1 << 16); ++i) {
+      const float want = dt == DType::Float16 ? half_to_float(uint16_t(i)) : bf16_to_float(uint16_t(i));
+      // F16C quiets signalling NaNs on the way (sets the quiet bit): still the same NaN.
+      const bool same_nan = std::isnan(wide[size_t(i)]) && std::isnan(want) &&
+                            (float_bits(wide[size_t(i)]) >> 31) == (float_bits(want) >> 31);
+      if (float_bits(wide[size_t(i)]) != float_bits(want) && !same_nan)
+        ADD_FAILURE() << "promote " << dtype_name(dt) << ": " << std::hex << i << " -> "
+                      << float_bits(wide[size_t(i)]) << ", want " << float_bits(want);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ropepool::test
+
+#endif  // ROPEPOOL_TEST_TARGETS_SHARED
+
+// ---- per target: the entry points Highway dispatches to ------------------------------------
+HWY_BEFORE_NAMESPACE();
+namespace ropepool::test::HWY_NAMESPACE {
+
+void KernelMatchesReference() { kernel_matches_reference(hwy::TargetName(HWY_TARGET)); }
+void DemoteIsExhaustive(int shard) { demote_is_exhaustive(hwy::TargetName(HWY_TARGET), shard); }
+
+}  // namespace ropepool::test::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include "hwy/tests/hwy_gtest.h"
+
+namespace ropepool::test {
+
+HWY_BEFORE_TEST(CpuTarget);
+HWY_EXPORT_AND_TEST_P(CpuTarget, KernelMatchesReference);
+
+class CpuTargetShard : public hwy::TestWithParamTargetAndT<int> {};
+HWY_TARGET_INSTANTIATE_TEST_SUITE_P_T(CpuTargetShard, ::testing::Range(0, kDemoteShards));
+HWY_EXPORT_AND_TEST_P_T(CpuTargetShard, DemoteIsExhaustive);
+
+// Several application threads calling at once (one gets the pool, the others run alone), and
+// a forked child (the parent's workers do not exist there) must all get correct results.
+TEST(CpuThreads, ConcurrentCallersAndFork) {
+  const int saved_threads = cpu_num_threads();
+  set_cpu_num_threads(2);
+  detail::cpu::set_stream_min_bytes(-1);
+  detail::cpu::set_parallel_min_bytes(1);
+  const KernelCase kc{DType::BFloat16, 600, 8, 2, 128, 128, {false, false, false, true, false, 1.0, 1 << 16}};
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::vector<std::thread> callers;
+  std::atomic<int> failed{0};
+  for (int i = 0; i < 3; ++i)
+    callers.emplace_back([&, i] {
+      Rng rng(seed + uint64_t(i));
+      for (int rep = 0; rep < 3; ++rep) {
+        check_kernel_case(kc, rng, "concurrent caller " + std::to_string(i));
+        if (::testing::Test::HasFailure()) failed = 1;
+      }
+    });
+  for (auto& t : callers) t.join();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    Rng rng(seed + 7);
+    check_kernel_case(kc, rng, "forked child");
+    std::_Exit(::testing::Test::HasFailure() ? 1 : 0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the forked child failed or hung";
+  Rng rng(seed + 8);
+  check_kernel_case(kc, rng, "parent after fork");
+  set_cpu_num_threads(saved_threads);
+  detail::cpu::set_stream_min_bytes(16 << 20);
+  detail::cpu::set_parallel_min_bytes(1 << 20);
+}
+
+}  // namespace ropepool::test
+#endif  // HWY_ONCE

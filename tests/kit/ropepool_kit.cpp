@@ -1,0 +1,728 @@
+#include "ropepool_kit.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <thread>
+
+namespace ropepool::test {
+
+// --- randomness -------------------------------------------------------------------------
+
+uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebu;
+  return z ^ (z >> 31);
+}
+
+uint64_t fresh_seed() {
+  if (const char* env = std::getenv("ROPEPOOL_TEST_SEED"); env && *env)
+    return std::strtoull(env, nullptr, 0);
+  std::random_device device;
+  return (uint64_t(device()) << 32) ^ uint64_t(device());
+}
+
+Rng::Rng(uint64_t seed) : seed_(seed) {
+  for (int i = 0; i < 4; ++i) state_[i] = counter_bits(seed, uint64_t(i));
+}
+
+int64_t Rng::integer(int64_t lo, int64_t hi) {
+  return std::uniform_int_distribution<int64_t>(lo, hi)(*this);
+}
+
+// --- elements ------------------------------------------------------------------------------
+
+std::string shape_str(const TensorView& v) {
+  std::string s = "[";
+  for (int i = 0; i < v.ndim; ++i) s += (i ? ", " : "") + std::to_string(v.shape[i]);
+  return s + "]";
+}
+
+void* element(const TensorView& v, int64_t t, int64_t h, int64_t d) {
+  int64_t off = t * v.strides[0];
+  if (v.ndim > 1) off += h * v.strides[1];
+  if (v.ndim > 2) off += d * v.strides[2];
+  return static_cast<char*>(v.data) + off * int64_t(dtype_size(v.dtype));
+}
+
+double load(const TensorView& v, int64_t t, int64_t h, int64_t d) {
+  const void* p = element(v, t, h, d);
+  uint32_t u = 0;
+  std::memcpy(&u, p, dtype_size(v.dtype));
+  switch (v.dtype) {
+    case DType::Float32: return bits_float(u);
+    case DType::Float16: return half_to_float(uint16_t(u));
+    case DType::BFloat16: return bf16_to_float(uint16_t(u));
+    default: throw std::logic_error("load: not a float view");
+  }
+}
+
+void store(const TensorView& v, int64_t t, int64_t h, int64_t d, float value) {
+  switch (v.dtype) {
+    case DType::Float32: return store_bits(v, t, h, d, float_bits(value));
+    case DType::Float16: return store_bits(v, t, h, d, float_to_half(value));
+    case DType::BFloat16: return store_bits(v, t, h, d, float_to_bf16(value));
+    default: throw std::logic_error("store: not a float view");
+  }
+}
+
+void store_bits(const TensorView& v, int64_t t, int64_t h, int64_t d, uint64_t bits) {
+  std::memcpy(element(v, t, h, d), &bits, dtype_size(v.dtype));  // little-endian: low bytes
+}
+
+bool same_bits(const TensorView& a, int64_t ta, int64_t ha, int64_t da, const TensorView& b,
+               int64_t tb, int64_t hb, int64_t db) {
+  return std::memcmp(element(a, ta, ha, da), element(b, tb, hb, db), dtype_size(a.dtype)) == 0;
+}
+
+int64_t index_at(const TensorView& v, int64_t t) {
+  const void* p = element(v, t);
+  if (v.dtype == DType::Int64) {
+    int64_t x;
+    std::memcpy(&x, p, 8);
+    return x;
+  }
+  if (v.dtype == DType::Int32) {
+    int32_t x;
+    std::memcpy(&x, p, 4);
+    return x;
+  }
+  throw std::logic_error("index_at: not an index view");
+}
+
+void set_index(const TensorView& v, int64_t t, int64_t value) {
+  void* p = element(v, t);
+  if (v.dtype == DType::Int64) {
+    std::memcpy(p, &value, 8);
+  } else if (v.dtype == DType::Int32) {
+    if (value < INT32_MIN || value > INT32_MAX) throw std::logic_error("set_index: int32 overflow");
+    const int32_t x = int32_t(value);
+    std::memcpy(p, &x, 4);
+  } else {
+    throw std::logic_error("set_index: not an index view");
+  }
+}
+
+TensorView token_slice(TensorView v, int64_t t0, int64_t n) {
+  v.data = element(v, t0);
+  v.shape[0] = n;
+  return v;
+}
+
+float random_value(Rng& rng, DType dtype) {
+  const uint64_t r = rng.bits();
+  const uint32_t exponent = uint32_t(127 - 6 + (r >> 40) % 9);
+  uint32_t mantissa = uint32_t(r) & 0x7fffffu;
+  if (dtype == DType::Float16) mantissa &= ~0x1fffu;  // keep the top 10 bits
+  if (dtype == DType::BFloat16) mantissa &= ~0xffffu;  // keep the top 7 bits
+  return bits_float(uint32_t((r >> 63) << 31) | (exponent << 23) | mantissa);
+}
+
+uint64_t nan_pattern(DType dtype, uint64_t r) {
+  const bool quiet = (r >> 32) & 1;
+  switch (dtype) {
+    case DType::Float32: return (r & 0x803fffffu) | 0x7f800000u | (quiet ? 0x400000u : 1u);
+    case DType::Float16: return (r & 0x81ffu) | 0x7c00u | (quiet ? 0x200u : 1u);
+    default: return (r & 0x803fu) | 0x7f80u | (quiet ? 0x40u : 1u);
+  }
+}
+
+uint64_t inf_pattern(DType dtype, uint64_t r) {
+  const bool negative = r & 1;
+  switch (dtype) {
+    case DType::Float32: return negative ? 0xff800000u : 0x7f800000u;
+    case DType::Float16: return negative ? 0xfc00u : 0x7c00u;
+    default: return negative ? 0xff80u : 0x7f80u;
+  }
+}
+
+void copy_elements(const TensorView& from, const TensorView& to) {
+  const size_t es = dtype_size(from.dtype);
+  const int64_t H = from.ndim > 1 ? from.shape[1] : 1, D = from.ndim > 2 ? from.shape[2] : 1;
+  for (int64_t t = 0; t < from.shape[0]; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) std::memcpy(element(to, t, h, d), element(from, t, h, d), es);
+}
+
+std::vector<uint8_t> view_bytes(const TensorView& v) {
+  const size_t es = dtype_size(v.dtype);
+  std::vector<uint8_t> out;
+  out.reserve(size_t(v.numel()) * es);
+  for (int64_t t = 0; t < v.shape[0]; ++t)
+    for (int64_t h = 0; h < v.shape[1]; ++h)
+      for (int64_t d = 0; d < v.shape[2]; ++d) {
+        const auto* p = static_cast<const uint8_t*>(element(v, t, h, d));
+        out.insert(out.end(), p, p + es);
+      }
+  return out;
+}
+
+int64_t count_bit_differences(const TensorView& a, const TensorView& b) {
+  int64_t n = 0;
+  for (int64_t t = 0; t < a.shape[0]; ++t)
+    for (int64_t h = 0; h < a.shape[1]; ++h)
+      for (int64_t d = 0; d < a.shape[2]; ++d) n += !same_bits(a, t, h, d, b, t, h, d);
+  return n;
+}
+
+bool rows_identical(const TensorView& a, int64_t row, const TensorView& b, int64_t b_row) {
+  const size_t es = dtype_size(a.dtype);
+  for (int64_t h = 0; h < a.shape[1]; ++h) {
+    if (a.strides[2] == 1 && b.strides[2] == 1) {
+      if (std::memcmp(element(a, row, h, 0), element(b, b_row, h, 0), size_t(a.shape[2]) * es))
+        return false;
+      continue;
+    }
+    for (int64_t d = 0; d < a.shape[2]; ++d)
+      if (!same_bits(a, row, h, d, b, b_row, h, d)) return false;
+  }
+  return true;
+}
+
+void parallel_for(int64_t n, int threads, const std::function<void(int64_t, int64_t)>& body) {
+  if (n <= 0) return;
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, n));
+  if (workers == 1) {
+    body(0, n);
+    return;
+  }
+  std::vector<std::thread> pool;
+  auto chunk = [&](int64_t w) { return std::pair{n * w / workers, n * (w + 1) / workers}; };
+  for (int64_t w = 1; w < workers; ++w)
+    pool.emplace_back([&, w] {
+      auto [b, e] = chunk(w);
+      body(b, e);
+    });
+  auto [b, e] = chunk(0);
+  body(b, e);
+  for (auto& t : pool) t.join();
+}
+
+namespace {
+
+uint32_t uniform_bits(DType dtype, uint64_t seed, int64_t i, double lo, double hi) {
+  const double u = lo + (hi - lo) * (double(counter_bits(seed, uint64_t(i)) >> 11) * 0x1p-53);
+  const float f = float(u);
+  return dtype == DType::Float32   ? float_bits(f)
+         : dtype == DType::Float16 ? float_to_half(f)
+                                   : float_to_bf16(f);
+}
+
+}  // namespace
+
+void fill_uniform(void* data, DType dtype, int64_t count, uint64_t seed, double lo, double hi,
+                  int threads) {
+  const size_t es = dtype_size(dtype);
+  parallel_for(count, threads, [&](int64_t b, int64_t e) {
+    auto* p = static_cast<uint8_t*>(data);
+    for (int64_t i = b; i < e; ++i) {
+      const uint32_t bits = uniform_bits(dtype, seed, i, lo, hi);
+      std::memcpy(p + size_t(i) * es, &bits, es);
+    }
+  });
+}
+
+bool holds_uniform(const void* data, DType dtype, int64_t i, uint64_t seed, double lo, double hi) {
+  const size_t es = dtype_size(dtype);
+  uint32_t now = 0;
+  std::memcpy(&now, static_cast<const uint8_t*>(data) + size_t(i) * es, es);
+  return now == uniform_bits(dtype, seed, i, lo, hi);
+}
+
+// --- host memory ------------------------------------------------------------------------------
+
+void HostBuffer::Free::operator()(uint8_t* p) const { std::free(p); }
+
+HostBuffer::HostBuffer(std::string name, DType dtype, int64_t numel, int guard_pages)
+    : name_(std::move(name)), dtype_(dtype), numel_(numel) {
+  // Page alignment, as framework tensors have (the CPU kernel's non-temporal stores want
+  // vector-aligned rows); guards on both sides.
+  guard_bytes_ = size_t(guard_pages) * kPage;
+  const size_t body = std::max<size_t>(kPage, (bytes() + kPage - 1) / kPage * kPage);
+  alloc_bytes_ = guard_bytes_ + body + guard_bytes_;
+  storage_.reset(static_cast<uint8_t*>(std::aligned_alloc(kPage, alloc_bytes_)));
+  if (!storage_) throw std::bad_alloc();
+  base_ = storage_.get() + guard_bytes_;
+  std::memset(storage_.get(), 0xa5, guard_bytes_);
+  std::memset(base_ + bytes(), 0xa5, alloc_bytes_ - guard_bytes_ - bytes());
+}
+
+TensorView HostBuffer::view(std::initializer_list<int64_t> shape,
+                            std::initializer_list<int64_t> strides, int64_t offset,
+                            Device device) const {
+  return make_view(std::vector<int64_t>(shape), std::vector<int64_t>(strides), offset, device);
+}
+
+TensorView HostBuffer::contiguous(std::initializer_list<int64_t> shape, int64_t offset,
+                                  Device device) const {
+  std::vector<int64_t> strides(shape.size());
+  int64_t stride = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = stride;
+    stride *= shape.begin()[i];
+  }
+  return make_view(std::vector<int64_t>(shape), strides, offset, device);
+}
+
+int64_t HostBuffer::offset_of(const TensorView& v) const {
+  const auto* p = static_cast<const uint8_t*>(v.data);
+  if (p < base_ || p > base_ + bytes()) return -1;
+  return (p - base_) / int64_t(dtype_size(dtype_));
+}
+
+std::vector<uint8_t> HostBuffer::snapshot() const {
+  return {storage_.get(), storage_.get() + alloc_bytes_};
+}
+
+void HostBuffer::restore(const std::vector<uint8_t>& s) {
+  std::memcpy(storage_.get(), s.data(), alloc_bytes_);
+}
+
+std::vector<int64_t> HostBuffer::changed_elements(const std::vector<uint8_t>& s, size_t most) const {
+  std::vector<int64_t> out;
+  const uint8_t* now = storage_.get();
+  if (std::memcmp(now, s.data(), alloc_bytes_) == 0) return out;
+  const size_t es = dtype_size(dtype_);
+  for (size_t i = 0; i < alloc_bytes_ && out.size() < most; ++i) {
+    if (now[i] == s[i]) continue;
+    const bool in_body = i >= guard_bytes_ && i < guard_bytes_ + bytes();
+    out.push_back(in_body ? int64_t((i - guard_bytes_) / es) : -1);
+    if (in_body) i = guard_bytes_ + (i - guard_bytes_) / es * es + es - 1;  // next element
+  }
+  return out;
+}
+
+void HostBuffer::poison(Rng& rng) {
+  const size_t es = dtype_size(dtype_);
+  for (int64_t i = 0; i < numel_; ++i) {
+    uint64_t bits = rng.bits();
+    const uint64_t kind = bits >> 60;  // the element uses at most the low 32 bits
+    if (is_float(dtype_) && kind < 8) bits = nan_pattern(dtype_, bits);
+    else if (is_float(dtype_) && kind == 8) bits = inf_pattern(dtype_, bits);
+    std::memcpy(base_ + size_t(i) * es, &bits, es);  // little-endian: low bytes
+  }
+}
+
+TensorView HostBuffer::make_view(const std::vector<int64_t>& shape,
+                                 const std::vector<int64_t>& strides, int64_t offset,
+                                 Device device) const {
+  if (shape.size() != strides.size() || shape.size() > size_t(TensorView::kMaxDims))
+    throw std::logic_error("view: bad rank");
+  TensorView v;
+  v.data = base_ + offset * int64_t(dtype_size(dtype_));
+  v.dtype = dtype_;
+  v.device = device;
+  v.ndim = int(shape.size());
+  int64_t last = offset;
+  bool empty = false;
+  for (int i = 0; i < v.ndim; ++i) {
+    v.shape[i] = shape[size_t(i)];
+    v.strides[i] = strides[size_t(i)];
+    if (v.shape[i] == 0) empty = true;
+    last += (v.shape[i] - 1) * v.strides[i];
+  }
+  // An empty view (T = 0) may start past the end: it names no element.
+  if (offset < 0 || (!empty && (offset > numel_ || last >= numel_)))
+    throw std::logic_error("view outside buffer " + name_);
+  return v;
+}
+
+// --- a complete call --------------------------------------------------------------------------
+
+const char* name(QkvLayout l) {
+  return l == QkvLayout::Contiguous ? "qkv_dense" : l == QkvLayout::Fused ? "qkv_fused" : "qkv_padded";
+}
+const char* name(PoolLayout l) {
+  return l == PoolLayout::Contiguous     ? "pool_dense"
+         : l == PoolLayout::LayerOfStack ? "pool_layer"
+                                         : "pool_head_major";
+}
+const char* name(OutLayout l) { return l == OutLayout::Contiguous ? "out_dense" : "out_padded"; }
+const char* name(IndexLayout l) {
+  return l == IndexLayout::Contiguous ? "index_dense" : "index_strided";
+}
+
+RopeScaling scaling_preset(RopeType type, int64_t rotary_dim) {
+  RopeScaling s;
+  s.type = type;
+  switch (type) {
+    case RopeType::Default: break;
+    case RopeType::Linear: s.factor = 4; break;
+    case RopeType::Dynamic:
+      s.factor = 2;
+      s.max_position_embeddings = 4096;
+      s.seq_len = 1 << 20;
+      break;
+    case RopeType::Yarn:
+      s.factor = 4;
+      s.original_max_position_embeddings = 4096;
+      break;
+    case RopeType::Llama3:
+      s.factor = 8;
+      s.low_freq_factor = 1;
+      s.high_freq_factor = 4;
+      s.original_max_position_embeddings = 8192;
+      break;
+    case RopeType::LongRope:
+      s.original_max_position_embeddings = 4096;
+      s.max_position_embeddings = 131072;
+      s.seq_len = 1 << 20;
+      for (int64_t i = 0; i < rotary_dim / 2; ++i) {
+        s.short_factor.push_back(1.0 + 0.05 * double(i));
+        s.long_factor.push_back(1.0 + 0.5 * double(i));
+      }
+      break;
+  }
+  return s;
+}
+
+Case::Case(const Shape& s, const Layout& l) : shape(s), layout(l) {
+  const int64_t T = s.num_tokens, Hq = s.num_qo_heads, Hk = s.num_kv_heads, D = s.head_dim,
+                P = s.pool_size, slack = l.tail_slack;
+  params.head_dim = D;
+  params.num_qo_heads = Hq;
+  params.num_kv_heads = Hk;
+  params.rope_base = s.rope_base;
+  params.rotary_dim = s.rotary_dim;
+  params.interleaved = s.interleaved;
+  params.rope_scaling = s.rope_scaling;
+
+  // q, k, v
+  switch (l.qkv) {
+    case QkvLayout::Contiguous: {
+      auto& q = own("q", s.dtype, T * Hq * D + slack);
+      auto& k = own("k", s.dtype, T * Hk * D + slack);
+      auto& v = own("v", s.dtype, T * Hk * D + slack);
+      tensors.q = q.contiguous({T, Hq, D});
+      tensors.k = k.contiguous({T, Hk, D});
+      tensors.v = v.contiguous({T, Hk, D});
+      break;
+    }
+    case QkvLayout::Fused: {
+      // Slices of one fused projection output [T, (Hq + 2 Hk) * D].
+      const int64_t width = (Hq + 2 * Hk) * D;
+      auto& qkv = own("qkv", s.dtype, T * width + slack);
+      tensors.q = qkv.view({T, Hq, D}, {width, D, 1}, 0);
+      tensors.k = qkv.view({T, Hk, D}, {width, D, 1}, Hq * D);
+      tensors.v = qkv.view({T, Hk, D}, {width, D, 1}, (Hq + Hk) * D);
+      break;
+    }
+    case QkvLayout::Padded: {
+      // Gaps between heads and rows, and an origin 3 elements into the buffer (so not
+      // vector-aligned).
+      auto padded = [&](const char* n, int64_t H) -> TensorView {
+        const int64_t head = D + 5, row = H * head + 3;
+        auto& b = own(n, s.dtype, 3 + T * row + slack);
+        return b.view({T, H, D}, {row, head, 1}, 3);
+      };
+      tensors.q = padded("q", Hq);
+      tensors.k = padded("k", Hk);
+      tensors.v = padded("v", Hk);
+      break;
+    }
+  }
+
+  // positions, slots
+  if (l.index == IndexLayout::Contiguous) {
+    tensors.positions = own("positions", s.position_dtype, T + slack).contiguous({T});
+    tensors.slots = own("slots", s.slot_dtype, T + slack).contiguous({T});
+  } else {
+    // Columns of [T, 2] and [T, 3] tables.
+    tensors.positions = own("positions", s.position_dtype, 2 * T + slack).view({T}, {2}, 1);
+    tensors.slots = own("slots", s.slot_dtype, 3 * T + slack).view({T}, {3}, 2);
+  }
+
+  // pools
+  for (const char* n : {"k_pool", "v_pool"}) {
+    TensorView pool;
+    switch (l.pool) {
+      case PoolLayout::Contiguous:
+        pool = own(n, s.dtype, P * Hk * D + slack).contiguous({P, Hk, D});
+        break;
+      case PoolLayout::LayerOfStack: {
+        // Layer 1 of a [3, P, Hk, D] stacked cache; layers 0 and 2 must stay untouched.
+        auto& b = own(n, s.dtype, 3 * P * Hk * D + slack);
+        pool = b.view({P, Hk, D}, {Hk * D, D, 1}, P * Hk * D);
+        break;
+      }
+      case PoolLayout::HeadMajor: {
+        // Storage [Hk, P, D] seen as [P, Hk, D].
+        pool = own(n, s.dtype, Hk * P * D + slack).view({P, Hk, D}, {D, P * D, 1}, 0);
+        break;
+      }
+    }
+    (n[0] == 'k' ? tensors.k_pool : tensors.v_pool) = pool;
+  }
+
+  // outputs
+  if (l.out == OutLayout::Contiguous) {
+    tensors.q_out = own("q_out", s.dtype, T * Hq * D + slack).contiguous({T, Hq, D});
+    tensors.k_out = own("k_out", s.dtype, T * Hk * D + slack).contiguous({T, Hk, D});
+  } else {
+    auto padded = [&](const char* n, int64_t H) -> TensorView {
+      const int64_t head = D + 3, row = H * head + 7;
+      return own(n, s.dtype, 1 + T * row + slack).view({T, H, D}, {row, head, 1}, 1);
+    };
+    tensors.q_out = padded("q_out", Hq);
+    tensors.k_out = padded("k_out", Hk);
+  }
+}
+
+void Case::randomize(Rng& rng, double negative_fraction) {
+  for (auto& b : buffers_) b->poison(rng);
+  for (const TensorView* x : {&tensors.q, &tensors.k, &tensors.v})
+    for (int64_t t = 0; t < x->shape[0]; ++t)
+      for (int64_t h = 0; h < x->shape[1]; ++h)
+        for (int64_t d = 0; d < x->shape[2]; ++d) store(*x, t, h, d, random_value(rng, shape.dtype));
+  randomize_positions(rng);
+  randomize_slots(rng, negative_fraction);
+}
+
+void Case::randomize_positions(Rng& rng) {
+  // The accuracy contract covers |position| < 2^20; the far end is where a float32
+  // angle would fail.
+  static constexpr int64_t kSpecial[] = {(1 << 20) - 1, 1000003, 0, 1, (1 << 20) - 2, 65536, 524287};
+  const int64_t T = num_tokens();
+  for (int64_t t = 0; t < T; ++t) set_position(t, rng.integer(0, (1 << 20) - 1));
+  for (int64_t i = 0; i < int64_t(std::size(kSpecial)) && i < T; ++i)
+    set_position(rng.integer(0, T - 1), kSpecial[i]);
+  if (T > 0) set_position(0, kSpecial[0]);
+}
+
+void Case::randomize_slots(Rng& rng, double negative_fraction) {
+  const int64_t T = num_tokens(), P = shape.pool_size;
+  std::vector<int64_t> rows(static_cast<size_t>(P));
+  std::iota(rows.begin(), rows.end(), 0);
+  rng.shuffle(rows.begin(), rows.end());
+  size_t next = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    if (next < rows.size() && !rng.chance(negative_fraction)) {
+      set_slot(t, rows[next++]);
+    } else {
+      const int64_t negatives[] = {-1, -2, INT32_MIN, -int64_t(rng.integer(1, 1 << 30))};
+      int64_t s = negatives[rng.integer(0, 3)];
+      if (shape.slot_dtype == DType::Int64 && rng.chance(0.25)) s = INT64_MIN;
+      set_slot(t, s);
+    }
+  }
+}
+
+Snapshot Case::snapshot() const {
+  Snapshot s;
+  for (auto& b : buffers_) s.bytes.push_back(b->snapshot());
+  return s;
+}
+
+void Case::restore(const Snapshot& s) {
+  for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i]->restore(s.bytes[i]);
+}
+
+void Case::poison_outputs(Rng& rng) {
+  for (auto& b : buffers_)
+    if (b->offset_of(tensors.q_out) >= 0 || b->offset_of(tensors.k_out) >= 0) b->poison(rng);
+}
+
+const HostBuffer& Case::buffer_of(const TensorView& v) const {
+  for (auto& b : buffers_)
+    if (b->offset_of(v) >= 0) return *b;
+  throw std::logic_error("view of no buffer");
+}
+
+HostBuffer& Case::own(const char* n, DType dtype, int64_t numel) {
+  buffers_.push_back(std::make_unique<HostBuffer>(n, dtype, numel));
+  return *buffers_.back();
+}
+
+// --- checks -------------------------------------------------------------------------------------
+
+void CheckStats::merge(const CheckStats& o) {
+  elements += o.elements;
+  failures += o.failures;
+  worst = std::max(worst, o.worst);
+  first.insert(first.end(), o.first.begin(), o.first.end());
+  std::stable_sort(first.begin(), first.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  if (first.size() > kKept) first.resize(kKept);
+}
+
+void CheckStats::fail(int64_t at, const std::function<std::string()>& describe) {
+  ++failures;
+  if (first.size() >= kKept && at >= first.back().first) return;
+  auto it = std::upper_bound(first.begin(), first.end(), at,
+                             [](int64_t a, const auto& e) { return a < e.first; });
+  first.insert(it, {at, describe()});
+  if (first.size() > kKept) first.pop_back();
+}
+
+namespace {
+
+std::string printed(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.9g", v);
+  return buf;
+}
+
+}  // namespace
+
+CheckStats check_rotation(const char* name, const TensorView& x, const TensorView& out,
+                          const TensorView& positions, const RopeSchedule& schedule,
+                          bool interleaved, const RotationCheck& how) {
+  const int64_t H = x.shape[1], D = x.shape[2], R = schedule.rotary_dim, half = R / 2;
+  const int64_t t_begin = how.t_begin, t_end = how.t_end < 0 ? x.shape[0] : how.t_end;
+  // Chunks of tokens small enough that the reference's float64 result (H*D doubles per
+  // token) stays in cache, many enough to balance the threads.
+  const int64_t tokens_per_chunk = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H * D));
+  const int64_t chunks = (t_end - t_begin + tokens_per_chunk - 1) / tokens_per_chunk;
+  CheckStats total;
+  std::mutex mu;
+  parallel_for(chunks, how.threads, [&](int64_t cb, int64_t ce) {
+    CheckStats local;
+    for (int64_t c = cb; c < ce; ++c) {
+      const int64_t b = t_begin + c * tokens_per_chunk;
+      const int64_t e = std::min(t_end, b + tokens_per_chunk);
+      const TensorView xs = token_slice(x, b, e - b), os = token_slice(out, b, e - b);
+      const std::vector<double> exact =
+          reference::rotate(xs, token_slice(positions, b, e - b), schedule, interleaved);
+      for (int64_t t = 0; t < e - b; ++t)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t d = 0; d < D; ++d) {
+            const double want = exact[size_t((t * H + h) * D + d)];
+            const double got = load(os, t, h, d);
+            double tol = 0;  // elements past rotary_dim are copied exactly
+            bool ok;
+            if (std::isnan(want)) {
+              ok = std::isnan(got);
+            } else if (std::isinf(want)) {
+              ok = got == want;
+            } else {
+              if (d < R) {
+                // the pair's inputs: (d, d +- R/2) NeoX, (d, d ^ 1) GPT-J
+                const int64_t other = interleaved ? (d ^ 1) : d < half ? d + half : d - half;
+                const double pair = std::abs(load(xs, t, h, d)) + std::abs(load(xs, t, h, other));
+                tol = reference::tolerance(out.dtype, want, pair);
+                if (how.round_to_nearest && out.dtype != DType::Float32) {
+                  const double float32_term = std::ldexp(pair, -18);
+                  tol = 0.5 * reference::tolerance(out.dtype, std::abs(want) + float32_term, 0) +
+                        float32_term;
+                }
+              }
+              const double err = std::abs(got - want);
+              // `!(err <= tol)` also catches NaN: a poisoned element the op never wrote.
+              ok = err <= tol;
+              if (ok && tol > 0) local.worst = std::max(local.worst, err / tol);
+            }
+            ++local.elements;
+            if (!ok)
+              local.fail(b + t, [&] {
+                return std::string(name) + "[" + std::to_string(b + t) + ", " + std::to_string(h) +
+                       ", " + std::to_string(d) + "] = " + printed(got) + ", exact " +
+                       printed(want) + " (tolerance " + printed(tol) + "), position " +
+                       std::to_string(index_at(positions, b + t)) + ", " + dtype_name(out.dtype) +
+                       (interleaved ? ", GPT-J pairs" : "") + ", rotary_dim " + std::to_string(R);
+              });
+          }
+    }
+    std::lock_guard lock(mu);
+    total.merge(local);
+  });
+  return total;
+}
+
+CheckStats check_rotation(const char* name, const TensorView& x, const TensorView& out,
+                          const TensorView& positions, const RopePoolParams& params,
+                          const RotationCheck& how) {
+  if (params.schedule)
+    return check_rotation(name, x, out, positions, *params.schedule, params.interleaved, how);
+  return check_rotation(name, x, out, positions, make_rope_schedule(params), params.interleaved, how);
+}
+
+std::vector<std::string> changes_since(const Case& c, const Snapshot& before) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < c.buffers().size(); ++i) {
+    const HostBuffer& b = *c.buffers()[i];
+    const auto changed = b.changed_elements(before.bytes[i], 1);
+    if (!changed.empty())
+      out.push_back("buffer " + b.name() + " changed at " +
+                    (changed[0] < 0 ? std::string("a guard byte")
+                                    : "element " + std::to_string(changed[0])));
+  }
+  return out;
+}
+
+namespace {
+
+/// Marks the elements a view covers (rows `row0..row0+n`) in a per-element mask of `b`.
+void mark(std::vector<bool>& mask, const HostBuffer& b, const TensorView& v, int64_t row0,
+          int64_t n) {
+  const int64_t origin = b.offset_of(v);
+  for (int64_t r = row0; r < row0 + n; ++r)
+    for (int64_t h = 0; h < v.shape[1]; ++h)
+      for (int64_t d = 0; d < v.shape[2]; ++d)
+        mask[size_t(origin + r * v.strides[0] + h * v.strides[1] + d * v.strides[2])] = true;
+}
+
+}  // namespace
+
+std::vector<std::string> check_call(const Case& c, const Snapshot& before, int threads) {
+  std::vector<std::string> problems;
+  const RopePoolTensors& x = c.tensors;
+  const int64_t T = c.num_tokens(), P = x.k_pool.shape[0];
+  std::vector<std::vector<int64_t>> writers(static_cast<size_t>(P));
+  for (int64_t t = 0; t < T; ++t)
+    if (const int64_t s = c.slot(t); s >= 0) writers.at(size_t(s)).push_back(t);
+
+  // Bytes outside what the call may write (guards included).
+  for (size_t i = 0; i < c.buffers().size(); ++i) {
+    const HostBuffer& b = *c.buffers()[i];
+    std::vector<bool> may_write(size_t(b.numel()), false);
+    for (const TensorView* out : {&x.q_out, &x.k_out})
+      if (b.offset_of(*out) >= 0) mark(may_write, b, *out, 0, out->shape[0]);
+    for (const TensorView* pool : {&x.k_pool, &x.v_pool})
+      if (b.offset_of(*pool) >= 0)
+        for (int64_t s = 0; s < P; ++s)
+          if (!writers[size_t(s)].empty()) mark(may_write, b, *pool, s, 1);
+    int64_t changed = 0;
+    for (int64_t e : b.changed_elements(before.bytes[i], size_t(-1))) {
+      if (e >= 0 && may_write[size_t(e)]) continue;
+      if (++changed <= 3)
+        problems.push_back((e < 0 ? std::string("a guard byte") : "element " + std::to_string(e)) +
+                           " of buffer " + b.name() + " changed but the call may not write it");
+    }
+    if (changed > 3)
+      problems.push_back(std::to_string(changed) + " elements of " + b.name() +
+                         " changed outside the outputs");
+  }
+
+  RotationCheck how;
+  how.threads = threads;
+  for (auto [name, in, out] : {std::tuple{"q_out", &x.q, &x.q_out}, {"k_out", &x.k, &x.k_out}}) {
+    const CheckStats s = check_rotation(name, *in, *out, x.positions, c.params, how);
+    for (const auto& f : s.first) problems.push_back(f.second);
+    if (s.failures > int64_t(s.first.size()))
+      problems.push_back(std::string(name) + ": " + std::to_string(s.failures) + " of " +
+                         std::to_string(s.elements) + " elements out of bound in total");
+  }
+
+  int64_t bad_rows = 0;
+  for (int64_t s = 0; s < P; ++s) {
+    const auto& w = writers[size_t(s)];
+    if (w.empty()) continue;
+    const bool k_ok = std::any_of(w.begin(), w.end(), [&](int64_t t) { return rows_identical(x.k_pool, s, x.k_out, t); });
+    const bool v_ok = std::any_of(w.begin(), w.end(), [&](int64_t t) { return rows_identical(x.v_pool, s, x.v, t); });
+    if ((!k_ok || !v_ok) && ++bad_rows <= 5)
+      problems.push_back("pool row " + std::to_string(s) + " (written by token " +
+                         std::to_string(w.front()) + (w.size() > 1 ? " and others" : "") + "): " +
+                         (k_ok ? "" : "k_pool row is not a complete k_out row; ") +
+                         (v_ok ? "" : "v_pool row is not a complete v row"));
+  }
+  if (bad_rows > 5) problems.push_back(std::to_string(bad_rows) + " pool rows with wrong contents");
+  return problems;
+}
+
+}  // namespace ropepool::test
