@@ -8,9 +8,16 @@
 
 namespace ropepool {
 
-enum class DType : uint8_t { Float32, Float16, BFloat16, Int32, Int64, Other };
+/// The op computes on Float32/Float16/BFloat16 and indexes with Int32/Int64; the other
+/// names exist so that a message can say what was passed ("got float64", not "got other").
+enum class DType : uint8_t {
+  Float32, Float16, BFloat16, Int32, Int64,
+  Float64, Int8, Int16, UInt8, UInt16, UInt32, UInt64, Bool, Complex64, Complex128,
+  Float8E4M3FN, Float8E5M2,
+  Other  ///< anything else (a message prints "other")
+};
 
-/// "float32", "float16", "bfloat16", "int32", "int64" or "other".
+/// "float32", "float16", "bfloat16", "int32", "int64", "float64", ... or "other".
 const char* dtype_name(DType dtype);
 /// Size of one element in bytes (0 for DType::Other).
 size_t dtype_size(DType dtype);
@@ -47,6 +54,22 @@ struct TensorView {
   int64_t dim(int i) const { return shape[i]; }
   int64_t stride(int i) const { return strides[i]; }
 };
+
+/// The bytes [lo, hi) from the lowest to one past the highest byte a view addresses
+/// (lo == hi for an empty view).
+struct ByteSpan {
+  int64_t lo = 0, hi = 0;
+  bool empty() const { return lo == hi; }
+};
+ByteSpan byte_span(const TensorView& v);
+
+/// True when two views share at least one byte, decided exactly from data pointers,
+/// shapes, strides and element sizes (no memory is read). Exact for views of rank <= 3 whose
+/// last dimension is contiguous (what rope_pool_fused accepts); for others, overlapping
+/// byte spans count as overlap. Disjoint spans cost a few comparisons; otherwise the cost
+/// is bounded by the product of the two views' smaller dimensions times the smaller of
+/// their larger dimensions (one or two steps for real layouts such as fused QKV columns).
+bool views_overlap(const TensorView& a, const TensorView& b);
 
 /// "[2, 8, 128]": how the C++ API prints shapes in messages.
 std::string format_shape(const TensorView& t);
