@@ -185,7 +185,12 @@ void check_precomputed_schedule(const RopePoolParams& params, const RopeSchedule
   if (schedule.rotary_dim != R || int64_t(schedule.inv_freq.size()) != R / 2)
     fail("the precomputed schedule is for rotary_dim " + std::to_string(schedule.rotary_dim) +
          " with " + std::to_string(schedule.inv_freq.size()) +
-         " frequencies, but this call rotates " + std::to_string(R) + " elements");
+         " frequencies, but this call rotates " + std::to_string(R) + " elements",
+         "make the schedule with this call's head_dim and rotary_dim");
+  if (schedule.rope_base != 0 && schedule.rope_base != params.rope_base)
+    fail("rope_base = " + num(params.rope_base) + " disagrees with the schedule, made for rope_base = " +
+             num(schedule.rope_base),
+         "pass the rope_base the schedule was made with (or make a new schedule)");
   check_finite(schedule);
 }
 
@@ -205,6 +210,7 @@ RopeSchedule make_rope_schedule(const RopePoolParams& params) {
   RopeSchedule out;
   const int64_t R = check_rope_params(params);
   out.rotary_dim = R;
+  out.rope_base = params.rope_base;
   const double base = params.rope_base;
   const RopeScaling& s = params.rope_scaling;
 
