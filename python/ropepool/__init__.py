@@ -10,7 +10,7 @@ traces it), NumPy arrays and other DLPack producers. See SPEC.md for the contrac
 """
 
 from ropepool import _ropepool
-from ropepool._op import rope_pool_fused
+from ropepool._op import rope_pool_fused, validate_rope_pool
 from ropepool._schedule import RopeSchedule, rope_schedule
 
 __version__: str = _ropepool.__version__
@@ -48,6 +48,7 @@ def cuda_check_slot_errors(device: int = -1) -> None:
 
 __all__ = [
     "rope_pool_fused",
+    "validate_rope_pool",
     "rope_schedule",
     "RopeSchedule",
     "set_num_threads",
