@@ -128,15 +128,23 @@ Array import_array(nb::handle obj, const char* name, bool writable, nb::handle e
                              .c_str());
   // Say why an array-like object could not be imported, rather than "must be an array".
   if (nb::hasattr(obj, "shape") && nb::hasattr(obj, "dtype")) {
+    // str(x) (nb::str(h) would only re-label h, not convert it)
+    auto text = [](nb::handle h) -> std::string {
+      nb::object s = nb::steal(PyObject_Str(h.ptr()));
+      if (!s.is_valid()) {
+        PyErr_Clear();
+        return {};
+      }
+      return nb::borrow<nb::str>(s).c_str();
+    };
     std::string device, dtype;
     try {
       nb::object d = obj.attr("device");
-      nb::object t = nb::hasattr(d, "type") ? d.attr("type") : d;
-      device = nb::str(t).c_str();
+      device = text(nb::hasattr(d, "type") ? d.attr("type") : d);
     } catch (const std::exception&) {
     }
     try {
-      dtype = nb::str(obj.attr("dtype")).c_str();
+      dtype = text(obj.attr("dtype"));
     } catch (const std::exception&) {
     }
     if (device == "meta")
@@ -144,7 +152,7 @@ Array import_array(nb::handle obj, const char* name, bool writable, nb::handle e
                              " is on the meta device (no memory); meta tensors are unsupported "
                              "outside torch.compile tracing, which uses the op's fake "
                              "implementation").c_str());
-    throw nb::value_error(("rope_pool_fused: " + std::string(name) + " (a " + py_type_name(obj) +
+    throw nb::value_error(("rope_pool_fused: " + std::string(name) + " (" + py_type_name(obj) +
                            " of dtype " + dtype +
                            ") cannot be exported through DLPack or the buffer protocol; "
                            "expected float32, float16 or bfloat16 (q/k/v/pools) or int32/int64 "
