@@ -170,17 +170,6 @@ bool solve_rows(int64_t n, int64_t a, int64_t m, int64_t b, i128 lo, i128 hi) {
 
 }  // namespace
 
-ByteSpan byte_span(const TensorView& v) {
-  if (v.data == nullptr || v.numel() == 0) return {};
-  const int64_t es = int64_t(dtype_size(v.dtype) ? dtype_size(v.dtype) : 1);
-  int64_t lo = int64_t(reinterpret_cast<intptr_t>(v.data)), hi = lo + es;
-  for (int i = 0; i < v.ndim; ++i) {
-    const int64_t extent = v.strides[i] * es * (v.shape[i] - 1);
-    (extent < 0 ? lo : hi) += extent;
-  }
-  return {lo, hi};
-}
-
 bool views_overlap(const TensorView& x, const TensorView& y) {
   const ByteSpan sx = byte_span(x), sy = byte_span(y);
   if (sx.empty() || sy.empty() || sx.hi <= sy.lo || sy.hi <= sx.lo) return false;

@@ -26,21 +26,6 @@ const char* dtype_name(DType dtype) {
   return "other";
 }
 
-size_t dtype_size(DType dtype) {
-  switch (dtype) {
-    case DType::Float32: case DType::Int32: return 4;
-    case DType::Float16: case DType::BFloat16: return 2;
-    case DType::Int64: case DType::Float64: case DType::UInt64: case DType::Complex64: return 8;
-    case DType::Int8: case DType::UInt8: case DType::Bool: case DType::Float8E4M3FN:
-    case DType::Float8E5M2: return 1;
-    case DType::Int16: case DType::UInt16: return 2;
-    case DType::UInt32: return 4;
-    case DType::Complex128: return 16;
-    case DType::Other: break;
-  }
-  return 0;
-}
-
 std::string device_name(Device device) {
   switch (device.type) {
     case DeviceType::CPU: return "cpu";

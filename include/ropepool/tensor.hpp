@@ -20,7 +20,18 @@ enum class DType : uint8_t {
 /// "float32", "float16", "bfloat16", "int32", "int64", "float64", ... or "other".
 const char* dtype_name(DType dtype);
 /// Size of one element in bytes (0 for DType::Other).
-size_t dtype_size(DType dtype);
+constexpr size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::Float32: case DType::Int32: case DType::UInt32: return 4;
+    case DType::Float16: case DType::BFloat16: case DType::Int16: case DType::UInt16: return 2;
+    case DType::Int64: case DType::Float64: case DType::UInt64: case DType::Complex64: return 8;
+    case DType::Int8: case DType::UInt8: case DType::Bool: case DType::Float8E4M3FN:
+    case DType::Float8E5M2: return 1;
+    case DType::Complex128: return 16;
+    case DType::Other: break;
+  }
+  return 0;
+}
 inline bool is_float(DType d) {
   return d == DType::Float32 || d == DType::Float16 || d == DType::BFloat16;
 }
@@ -61,7 +72,18 @@ struct ByteSpan {
   int64_t lo = 0, hi = 0;
   bool empty() const { return lo == hi; }
 };
-ByteSpan byte_span(const TensorView& v);
+inline ByteSpan byte_span(const TensorView& v) {
+  int64_t n = 1;
+  for (int i = 0; i < v.ndim; ++i) n *= v.shape[i];
+  if (v.data == nullptr || n == 0) return {};
+  const int64_t es = dtype_size(v.dtype) ? int64_t(dtype_size(v.dtype)) : 1;
+  int64_t lo = int64_t(reinterpret_cast<intptr_t>(v.data)), hi = lo + es;
+  for (int i = 0; i < v.ndim; ++i) {
+    const int64_t extent = v.strides[i] * es * (v.shape[i] - 1);
+    (extent < 0 ? lo : hi) += extent;
+  }
+  return {lo, hi};
+}
 
 /// True when two views share at least one byte, decided exactly from data pointers,
 /// shapes, strides and element sizes (no memory is read). Exact for views of rank <= 3 whose
