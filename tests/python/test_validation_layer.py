@@ -388,3 +388,34 @@ def test_numpy_dtype_without_dlpack_is_named(rng):
         args[n] = args[n].astype(ml_dtypes.bfloat16)
     with pytest.raises(ValueError, match="of dtype bfloat16.*cannot be exported"):
         ropepool.rope_pool_fused(*(args[n] for n in ORDER), **kw)
+
+
+def test_accuracy_near_the_angle_limit(kernel_device, rng):
+    """Angles up to 2^32 rad meet SPEC §1's bound: int32 positions near +-2^31 times
+    inv_freq up to 2 (the largest CUDA accepts), against an exact reference (the product
+    and the reduction in x87 long double, 64-bit significand: exact for a 31-bit position
+    times a 24-bit float)."""
+    if np.finfo(np.longdouble).nmant < 63:
+        pytest.skip("needs an 80-bit long double for the exact reference")
+    n, Hq, Hk, Dd = 16, 2, 1, 16
+    pos = np.concatenate([2**31 - 1 - rng.integers(0, 2**20, n // 2),
+                          -(2**31) + rng.integers(0, 2**20, n // 2)]).astype(np.int32)
+    freqs = np.array([2.0, 1.9999998807907104, 1.5, 1.0, 0.75, 1 / 3, 1e-3, 1e-6],
+                     np.float32)
+    args, kw = make_args("torch", kernel_device, rng, T=n, Hq=Hq, Hk=Hk, D=Dd, P=n,
+                         positions=pos)
+    q_rot, k_rot, _, _ = both_accept(args, dict(kw, inv_freq=freqs))
+    two_pi = np.longdouble(2) * np.longdouble("3.14159265358979323846264338327950288")
+    theta = pos.astype(np.longdouble)[:, None] * freqs.astype(np.longdouble)[None, :]
+    r = theta - np.rint(theta / two_pi) * two_pi
+    cos, sin = np.cos(r).astype(np.float64), np.sin(r).astype(np.float64)
+    for x, out in ((args["q"], q_rot), (args["k"], k_rot)):
+        x = x.cpu().double().numpy()
+        a, b = x[..., :Dd // 2], x[..., Dd // 2:]
+        exact = np.concatenate([a * cos[:, None] - b * sin[:, None],
+                                a * sin[:, None] + b * cos[:, None]], axis=-1)
+        got = out.cpu().double().numpy()
+        ab = np.concatenate([np.abs(a) + np.abs(b)] * 2, axis=-1)
+        ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
+        err = np.abs(got - exact)
+        assert np.all(err <= ulp + ab * 2.0**-18), float(np.max(err / (ulp + ab * 2.0**-18)))
