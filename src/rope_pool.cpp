@@ -3,11 +3,11 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdio>
 #include <utility>
 #include <vector>
 
 #include "backend.hpp"
+#include "format.hpp"
 #include "ropepool/error.hpp"
 #include "ropepool/rope_pool.hpp"
 #include "ropepool/schedule.hpp"
@@ -199,11 +199,7 @@ struct Checker {
     }
   }
 
-  static std::string num(double x) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.17g", x);
-    return buf;
-  }
+  static std::string num(double x) { return detail::py_float(x); }
 
   // SPEC §3: arguments whose memory overlaps where the result would depend on the order of
   // reads and writes. An output that is exactly its input (q_out == q: in-place rotation)

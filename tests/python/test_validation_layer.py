@@ -266,8 +266,7 @@ def test_angle_limit_cpu_exact_positions(framework, rng):
                          positions=[0, 1, 2**32 + 1, 3, 5])
     both_reject(args, kw, message=f"rope_pool_fused: positions[2] = 4294967297 times "
                                   f"inv_freq[0] = 1.0 is an angle of 4294967297.0 rad, beyond "
-                                  f"{LIMIT}".replace("1.0 is", "1 is").replace(
-                                      "4294967297.0 rad", "4294967297 rad"))
+                                  f"{LIMIT}")
 
 
 @pytest.mark.gpu
@@ -284,7 +283,7 @@ def test_angle_limit_cuda_uses_the_index_range(index_dtype, rng):
     bad = np.array([2.5] + [0.5] * (D // 2 - 1), np.float32)
     both_reject(args, dict(kw, inv_freq=bad),
                 message="rope_pool_fused: positions up to 2^31 in magnitude times "
-                        "inv_freq[0] = 2.5 give angles up to 5368709120 rad, beyond "
+                        "inv_freq[0] = 2.5 give angles up to 5368709120.0 rad, beyond "
                         f"{LIMIT} on the cuda backend")
 
 
