@@ -299,6 +299,10 @@ def test_cuda_backend_limits_checked_by_validation(rng):
                                   "on the cuda backend")
     args, kw = make_args("torch", "cpu", rng, Hq=1, Hk=1, D=1024, P=8)
     both_accept(args, kw)
+    # num_qo_heads * head_dim beyond 2^24 - 129 (item indices are int in the kernel)
+    args, kw = make_args("torch", "cuda", rng, T=1, Hq=2**17, Hk=1, D=128, P=2)
+    both_reject(args, kw, message="rope_pool_fused: num_qo_heads * head_dim = 16777216 exceeds "
+                                  "the limit of 16777087 on the cuda backend")
 
 
 # ---- B3/B4: schedules and silent defaults --------------------------------------------------
