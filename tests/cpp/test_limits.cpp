@@ -133,5 +133,36 @@ TEST(AngleLimit, HugeFrequenciesOfIssue9) {
   for (size_t i = 0; i < zero.q.size(); ++i) EXPECT_EQ(zero.q_out[i], zero.q[i]);
 }
 
+// Issue #9.5: messages name what was received; §2's exact texts keep their wording and the
+// received values go to the hint.
+TEST(Messages, DtypesAreNamedAndHintsNameReceivedValues) {
+  auto message_and_hint = [](Call& c) {
+    try {
+      validate_rope_pool(c.t, c.p);
+    } catch (const Error& e) {
+      return std::string(e.what()) + " | " + e.hint();
+    }
+    return std::string("accepted");
+  };
+  Call f64({1, 2});
+  for (TensorView* v : {&f64.t.q, &f64.t.k, &f64.t.v, &f64.t.k_pool, &f64.t.v_pool, &f64.t.q_out,
+                        &f64.t.k_out})
+    v->dtype = DType::Float64;  // (never read: rejected first)
+  EXPECT_EQ(message_and_hint(f64),
+            "rope_pool_fused: unsupported dtype float64 for q/k/v/pools; expected float32, "
+            "float16 or bfloat16 | ");
+  Call idx({1, 2});
+  idx.t.slots.dtype = DType::UInt32;
+  EXPECT_EQ(message_and_hint(idx), "rope_pool_fused: slots must be int32 or int64, got uint32 | ");
+  Call heads({1, 2});
+  heads.p.num_kv_heads = 3;
+  EXPECT_EQ(message_and_hint(heads),
+            "k shape must be [num_tokens, num_kv_heads, head_dim], got [2, 1, 8] | "
+            "num_kv_heads = 3 but k.shape[1] = 1");
+  Call mixed({1, 2});
+  mixed.t.v.dtype = DType::Float16;
+  EXPECT_EQ(message_and_hint(mixed), "q/k/v dtypes must match | got q float32, k float32, v float16");
+}
+
 }  // namespace
 }  // namespace ropepool
