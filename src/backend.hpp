@@ -51,6 +51,7 @@ struct BackendLimits {
   int64_t max_rotary_dim = 0;        ///< rotary_dim
   int64_t max_heads_x_head_dim = 0;  ///< num_qo_heads * head_dim and num_kv_heads * head_dim
   int64_t max_tokens = 0;            ///< T of one call
+  int64_t max_device_index = -1;     ///< the device index of the tensors; -1 = no limit
   /// Largest |positions[t] * inv_freq[i]| (radians) whose reduction keeps SPEC §1's bound.
   double max_angle = 0;
   /// When positions are not readable on the host (device memory, no synchronisation): the

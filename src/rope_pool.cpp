@@ -158,6 +158,9 @@ struct Checker {
           fail(std::string("rope_pool_fused: ") + kw + " * head_dim = " +
                std::to_string(heads * p.head_dim) + " exceeds the limit of " +
                std::to_string(b.max_heads_x_head_dim) + on);
+    if (b.max_device_index >= 0 && t.q.device.index > b.max_device_index)
+      fail("rope_pool_fused: the device index = " + std::to_string(t.q.device.index) +
+           " exceeds the limit of " + std::to_string(b.max_device_index) + on);
     if (b.max_tokens && t.q.shape[0] > b.max_tokens)
       fail("rope_pool_fused: num_tokens = " + std::to_string(t.q.shape[0]) +
                " exceeds the limit of " + std::to_string(b.max_tokens) + on,

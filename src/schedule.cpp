@@ -210,6 +210,9 @@ RopeSchedule make_rope_schedule(const RopePoolParams& params) {
   const double base = params.rope_base;
   const RopeScaling& s = params.rope_scaling;
 
+  if (params.inv_freq.data && !(s == RopeScaling{}))
+    fail("inv_freq replaces rope_scaling (and max_position_embeddings, "
+         "original_max_position_embeddings, seq_len); pass one or the other");
   if (params.inv_freq.data) {
     // The escape hatch: the caller's float32 table, widened exactly to double.
     const TensorView& t = params.inv_freq;

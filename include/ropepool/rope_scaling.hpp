@@ -44,6 +44,8 @@ struct RopeScaling {
   /// seq_len > max_position_embeddings; longrope uses long_factor once
   /// seq_len > original_max_position_embeddings, short_factor otherwise.
   std::optional<int64_t> seq_len;
+
+  friend bool operator==(const RopeScaling&, const RopeScaling&) = default;
 };
 
 /// One value of a rope_scaling entry as JSON or Python hold it.

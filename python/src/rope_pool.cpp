@@ -285,10 +285,14 @@ nb::tuple rope_schedule(int64_t head_dim, double rope_base, int64_t rotary_dim,
   context.original_max_position_embeddings = original_max_position_embeddings;
   context.seq_len = seq_len;
   const bool has_table = !inv_freq.is_none();
-  if (has_table && (rope_scaling || max_position_embeddings || original_max_position_embeddings || seq_len))
-    throw Error("rope_pool_fused: inv_freq replaces rope_scaling (and max_position_embeddings, "
-                "original_max_position_embeddings, seq_len); pass one or the other");
-  params.rope_scaling = parse_rope_scaling(entries, context);
+  if (has_table && !rope_scaling) {
+    // Next to an inv_freq table these lengths are unused: make_rope_schedule says so.
+    params.rope_scaling.max_position_embeddings = max_position_embeddings;
+    params.rope_scaling.original_max_position_embeddings = original_max_position_embeddings;
+    params.rope_scaling.seq_len = seq_len;
+  } else {
+    params.rope_scaling = parse_rope_scaling(entries, context);
+  }
   params.attention_scaling = attention_scaling;
   ReadArray table;
   if (has_table) {

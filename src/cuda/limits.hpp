@@ -14,6 +14,7 @@ inline constexpr int64_t kMaxRotaryDim = 512;  ///< 2 * cuda::kMaxHalfRotary (in
 /// largest of any path) plus one item of slack (32 lanes * 4 units) stays below 2^24.
 inline constexpr int64_t kMaxHeadsXHeadDim = (int64_t(1) << 24) - 32 * 4 - 1;
 inline constexpr int64_t kMaxTokens = 0x7fffffff;  ///< one CTA per token: gridDim.x
+inline constexpr int64_t kMaxDevices = 64;  ///< slot error records, one per device
 /// Positions live on the device: the angle check assumes |position| <= 2^31 (the int32
 /// range; int64 positions beyond it are the caller's responsibility, SPEC §1).
 inline constexpr double kAssumedMaxPosition = 2147483648.0;
@@ -24,6 +25,7 @@ inline BackendLimits value() {
   l.max_rotary_dim = kMaxRotaryDim;
   l.max_heads_x_head_dim = kMaxHeadsXHeadDim;
   l.max_tokens = kMaxTokens;
+  l.max_device_index = kMaxDevices - 1;
   l.max_angle = kMaxAngle;
   l.assumed_max_position = kAssumedMaxPosition;
   return l;

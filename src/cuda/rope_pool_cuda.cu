@@ -33,7 +33,7 @@ using cuda_launch::LaunchConfig;
 using cuda_launch::LaunchPlan;
 using cuda_launch::Path;
 
-constexpr int kMaxDevices = 64;
+constexpr int kMaxDevices = int(cuda_limits_values::kMaxDevices);
 
 void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess)
@@ -326,7 +326,7 @@ void launch_dtype(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRec
 }
 
 void run(const RopePoolProblem& p, const LaunchConfig& overrides) {
-  const LaunchPlan plan = cuda_launch::plan_launch(p, overrides);  // may throw Error
+  const LaunchPlan plan = cuda_launch::plan_launch(p, overrides);  // validated: asserts only
   const int device = device_of(p.q.data);
   DeviceGuard guard(device);
   report_pending_slot_error(device);

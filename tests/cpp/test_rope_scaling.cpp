@@ -233,5 +233,24 @@ TEST(RopeScalingCases, Phi3NeedsItsTopLevelLength) {
   EXPECT_NEAR(s.inv_freq[1], std::pow(10000.0, -2.0 / 96) / 2.0, 1e-15);  // long factors
 }
 
+// An inv_freq table replaces rope_scaling: both given is an error in C++ too (SPEC §4).
+TEST(RopeScalingCases, InvFreqWithRopeScalingIsAnError) {
+  std::vector<float> table(64, 0.5f);
+  RopePoolParams p;
+  p.head_dim = 128;
+  p.inv_freq = TensorView::contiguous(table.data(), DType::Float32, {64});
+  EXPECT_NO_THROW(make_rope_schedule(p));
+  p.rope_scaling.type = RopeType::Linear;
+  p.rope_scaling.factor = 2.0;
+  try {
+    make_rope_schedule(p);
+    ADD_FAILURE() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "rope_pool_fused: inv_freq replaces rope_scaling (and max_position_embeddings, "
+              "original_max_position_embeddings, seq_len); pass one or the other");
+  }
+}
+
 }  // namespace
 }  // namespace ropepool

@@ -317,6 +317,14 @@ def test_schedule_keywords_that_would_be_ignored(rng):
     assert sched.rope_base == 1e4
 
 
+@pytest.mark.parametrize("extra", [{"seq_len": 5}, {"rope_scaling": {"type": "linear",
+                                                                   "factor": 2.0}}])
+def test_inv_freq_replaces_rope_scaling(extra):
+    with pytest.raises(ValueError, match="^rope_pool_fused: inv_freq replaces rope_scaling"):
+        ropepool.rope_schedule(head_dim=8, rope_base=1e4, inv_freq=np.ones(4, np.float32),
+                               **extra)
+
+
 def test_phi3_longrope_needs_original_max_position_embeddings():
     """transformers 4.57 reads Phi-3's top-level original_max_position_embeddings: attention
     factor sqrt(1 + ln(32) / ln(4096)) ~ 1.19 and long factors past 4096."""
