@@ -43,6 +43,29 @@ struct RopePoolProblem {
   void* stream = nullptr;
 };
 
+/// What a backend can run, asked by validation before any backend runs (CUTLASS's
+/// can_implement): a call beyond a limit is rejected there with a message naming the
+/// argument, its value and the limit; the backend only asserts. 0 = no limit.
+struct BackendLimits {
+  const char* name = "cpu";
+  int64_t max_rotary_dim = 0;        ///< rotary_dim
+  int64_t max_heads_x_head_dim = 0;  ///< num_qo_heads * head_dim and num_kv_heads * head_dim
+  int64_t max_tokens = 0;            ///< T of one call
+  int64_t max_device_index = -1;     ///< the device index of the tensors; -1 = no limit
+  /// Largest |positions[t] * inv_freq[i]| (radians) whose reduction keeps SPEC §1's bound.
+  double max_angle = 0;
+  /// When positions are not readable on the host (device memory, no synchronisation): the
+  /// |position| the angle check assumes. 0 = positions are scanned on the host.
+  double assumed_max_position = 0;
+};
+BackendLimits cpu_limits();
+BackendLimits cuda_limits();  // available without the CUDA backend too (cuda_stub.cpp)
+
+/// SPEC §1: the documented angle limit, 2^32 rad. Both backends form the angle in double
+/// (53 bits: at 2^32 rad the product is within 2^-21 rad) and reduce it by 2*pi with an
+/// error below 2^-22 rad there, far inside the 2^-18 * (|a| + |b|) term of the bound.
+inline constexpr double kMaxAngle = 4294967296.0;
+
 /// SPEC §3 on host-readable slots: throws ropepool::Error for the first slot >= P and, when
 /// reject_duplicates, for the first repeated non-negative slot.
 void check_slot_values(const Index& slots, int64_t T, int64_t P, bool reject_duplicates);

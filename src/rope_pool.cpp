@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "format.hpp"
 #include "test_hooks.hpp"
 #include "ropepool/error.hpp"
 #include "ropepool/rope_pool.hpp"
@@ -29,6 +30,8 @@ const char* arg_name(Arg a) {
   }
   return "?";
 }
+
+detail::Index index(const TensorView& v);
 
 struct Checker {
   const RopePoolTensors& t;
@@ -61,9 +64,11 @@ struct Checker {
            pool_hint(t.k_pool.ndim != 3 ? t.k_pool : t.v_pool));
     const int64_t T = t.q.shape[0];
     if (t.q.shape[1] != p.num_qo_heads || t.q.shape[2] != p.head_dim)
-      fail("q shape must be [num_tokens, num_qo_heads, head_dim], got " + shape(Arg::q, t.q));
+      fail("q shape must be [num_tokens, num_qo_heads, head_dim], got " + shape(Arg::q, t.q),
+           geometry_hint("q", t.q, "num_qo_heads", p.num_qo_heads, -1, p.head_dim));
     if (t.k.shape[0] != T || t.k.shape[1] != p.num_kv_heads || t.k.shape[2] != p.head_dim)
-      fail("k shape must be [num_tokens, num_kv_heads, head_dim], got " + shape(Arg::k, t.k));
+      fail("k shape must be [num_tokens, num_kv_heads, head_dim], got " + shape(Arg::k, t.k),
+           geometry_hint("k", t.k, "num_kv_heads", p.num_kv_heads, T, p.head_dim));
     if (!same_shape(t.v, t.k))
       fail("v shape must match k shape, got " + shape(Arg::v, t.v) + " vs " +
            shape(Arg::k, t.k));
@@ -78,9 +83,31 @@ struct Checker {
     if (!same_shape(t.v_pool, t.k_pool))
       fail("v_pool shape must match k_pool shape, got " + shape(Arg::v_pool, t.v_pool) +
            " vs " + shape(Arg::k_pool, t.k_pool));
-    if (t.k.dtype != t.q.dtype || t.v.dtype != t.q.dtype) fail("q/k/v dtypes must match");
+    if (t.k.dtype != t.q.dtype || t.v.dtype != t.q.dtype)
+      fail("q/k/v dtypes must match", std::string("got q ") + dtype_name(t.q.dtype) + ", k " +
+                                          dtype_name(t.k.dtype) + ", v " + dtype_name(t.v.dtype));
     if (t.k_pool.dtype != t.q.dtype || t.v_pool.dtype != t.q.dtype)
-      fail("pool dtypes must match q/k/v dtype");
+      fail("pool dtypes must match q/k/v dtype",
+           std::string("got k_pool ") + dtype_name(t.k_pool.dtype) + ", v_pool " +
+               dtype_name(t.v_pool.dtype) + " for q/k/v of " + dtype_name(t.q.dtype) +
+               "; the pools hold rotated k and v in q's dtype");
+  }
+
+  // Which keyword or dimension disagrees, for the shape messages of §2 (whose text is fixed).
+  static std::string geometry_hint(const char* name, const TensorView& x, const char* heads_kw,
+                                   int64_t heads, int64_t tokens, int64_t head_dim) {
+    std::string h;
+    auto add = [&](const std::string& s) { h += (h.empty() ? "" : "; ") + s; };
+    if (tokens >= 0 && x.shape[0] != tokens)
+      add(std::string(name) + ".shape[0] = " + std::to_string(x.shape[0]) + " but q has " +
+          std::to_string(tokens) + " tokens");
+    if (x.shape[1] != heads)
+      add(std::string(heads_kw) + " = " + std::to_string(heads) + " but " + name +
+          ".shape[1] = " + std::to_string(x.shape[1]));
+    if (x.shape[2] != head_dim)
+      add("head_dim = " + std::to_string(head_dim) + " but " + name + ".shape[2] = " +
+          std::to_string(x.shape[2]));
+    return h;
   }
 
   // The checks SPEC §2 lists after the contract ones, in its order.
@@ -107,7 +134,126 @@ struct Checker {
     devices();
     outputs();
     layouts();
+    limits(*schedule);
+    overlaps();
     return schedule;
+  }
+
+  const detail::BackendLimits& backend() const {
+    static const detail::BackendLimits cpu = detail::cpu_limits(), cuda = detail::cuda_limits();
+    return t.q.device.type == DeviceType::CUDA ? cuda : cpu;
+  }
+
+  // What the backend can run (it only asserts these), then SPEC §1's angle limit.
+  void limits(const RopeSchedule& schedule) const {
+    const detail::BackendLimits& b = backend();
+    const std::string on = std::string(" on the ") + b.name + " backend";
+    if (b.max_rotary_dim && schedule.rotary_dim > b.max_rotary_dim)
+      fail("rope_pool_fused: rotary_dim = " + std::to_string(schedule.rotary_dim) +
+               " exceeds the limit of " + std::to_string(b.max_rotary_dim) + on,
+           "rotate the first " + std::to_string(b.max_rotary_dim) +
+               " elements with rotary_dim, or use the CPU backend");
+    if (b.max_heads_x_head_dim)
+      for (auto [kw, heads] : {std::pair{"num_qo_heads", p.num_qo_heads}, {"num_kv_heads", p.num_kv_heads}})
+        if (heads * p.head_dim > b.max_heads_x_head_dim)
+          fail(std::string("rope_pool_fused: ") + kw + " * head_dim = " +
+               std::to_string(heads * p.head_dim) + " exceeds the limit of " +
+               std::to_string(b.max_heads_x_head_dim) + on);
+    if (b.max_device_index >= 0 && t.q.device.index > b.max_device_index)
+      fail("rope_pool_fused: the device index = " + std::to_string(t.q.device.index) +
+           " exceeds the limit of " + std::to_string(b.max_device_index) + on);
+    if (b.max_tokens && t.q.shape[0] > b.max_tokens)
+      fail("rope_pool_fused: num_tokens = " + std::to_string(t.q.shape[0]) +
+               " exceeds the limit of " + std::to_string(b.max_tokens) + on,
+           "split the call");
+    angles(schedule, b);
+  }
+
+  // SPEC §1: every accepted angle |positions[t] * inv_freq[i]| is one the reduction handles.
+  void angles(const RopeSchedule& schedule, const detail::BackendLimits& b) const {
+    double max_f = 0;
+    size_t arg_f = 0;
+    for (size_t i = 0; i < schedule.inv_freq.size(); ++i)
+      if (std::fabs(schedule.inv_freq[i]) > max_f) max_f = std::fabs(schedule.inv_freq[i]), arg_f = i;
+    const int64_t T = t.q.shape[0];
+    if (max_f == 0 || T == 0) return;
+    const std::string limit = "the limit of 2^32 = 4294967296 rad that the angle reduction handles";
+    const std::string freq = "inv_freq[" + std::to_string(arg_f) + "] = " + num(max_f);
+    const char* hint = "check rope_base, rope_scaling or inv_freq (inverse frequencies are "
+                       "radians per position, at most 1 for the standard schedules)";
+    if (b.assumed_max_position > 0) {
+      // Positions in device memory: the bound their range allows (no synchronisation).
+      if (b.assumed_max_position * max_f > b.max_angle)
+        fail("rope_pool_fused: positions up to 2^31 in magnitude times " + freq +
+                 " give angles up to " + num(b.assumed_max_position * max_f) + " rad, beyond " +
+                 limit + " on the " + b.name + " backend",
+             hint);
+      return;
+    }
+    // int32 positions cannot exceed 2^31: the default schedules (max inv_freq 1) never scan.
+    if (t.positions.dtype == DType::Int32 && 2147483648.0 * max_f <= b.max_angle) return;
+    const detail::Index pos = index(t.positions);
+    for (int64_t i = 0; i < T; ++i) {
+      const double theta = std::fabs(double(pos[i])) * max_f;
+      if (theta > b.max_angle)
+        fail("rope_pool_fused: positions[" + std::to_string(i) + "] = " +
+                 std::to_string(pos[i]) + " times " + freq + " is an angle of " + num(theta) +
+                 " rad, beyond " + limit,
+             hint);
+    }
+  }
+
+  static std::string num(double x) { return detail::py_float(x); }
+
+  // SPEC §3: arguments whose memory overlaps where the result would depend on the order of
+  // reads and writes. An output that is exactly its input (q_out == q: in-place rotation)
+  // replaces it; every other pair of (output, anything else) must not share a byte. Inputs
+  // may share memory with each other (k is v without inplace: read twice).
+  void overlaps() const {
+    const bool q_inplace = same_view(t.q_out, t.q), k_inplace = same_view(t.k_out, t.k);
+    struct Named {
+      const TensorView* view;
+      const char* name;
+    };
+    // In this order: q_out replaces ins[0] (q), k_out replaces ins[1] (k).
+    const Named outs[] = {{&t.q_out, q_inplace ? "q (rotated in place)" : "q_out"},
+                          {&t.k_out, k_inplace ? "k (rotated in place)" : "k_out"},
+                          {&t.k_pool, "k_pool"},
+                          {&t.v_pool, "v_pool"}};
+    const Named ins[] = {{&t.q, "q"}, {&t.k, "k"}, {&t.v, "v"}, {&t.positions, "positions"},
+                         {&t.slots, "slots"}};
+    auto reject = [](const char* a, const char* b) {
+      fail(std::string("rope_pool_fused: ") + a + " and " + b +
+               " overlap in memory (they share at least one byte); the result would depend "
+               "on the order of reads and writes",
+           "pass separate buffers; views that interleave without sharing a byte (e.g. q/k/v "
+           "columns of one fused QKV output) are fine");
+    };
+    // Byte spans first (one pass over the nine views): disjoint spans, the common case, cost
+    // two comparisons per pair; only intersecting spans get the exact test.
+    ByteSpan out_span[4], in_span[5];
+    for (size_t i = 0; i < 4; ++i) out_span[i] = byte_span(*outs[i].view);
+    for (size_t i = 0; i < 5; ++i) in_span[i] = byte_span(*ins[i].view);
+    auto meet = [](const ByteSpan& a, const ByteSpan& b) {
+      return !a.empty() && !b.empty() && a.lo < b.hi && b.lo < a.hi;
+    };
+    for (size_t o = 0; o < 4; ++o) {
+      for (size_t i = 0; i < 5; ++i) {
+        if ((o == 0 && i == 0 && q_inplace) || (o == 1 && i == 1 && k_inplace)) continue;
+        if (meet(out_span[o], in_span[i]) && views_overlap(*outs[o].view, *ins[i].view))
+          reject(outs[o].name, ins[i].name);
+      }
+      for (size_t o2 = o + 1; o2 < 4; ++o2)
+        if (meet(out_span[o], out_span[o2]) && views_overlap(*outs[o].view, *outs[o2].view))
+          reject(outs[o].name, outs[o2].name);
+    }
+  }
+
+  static bool same_view(const TensorView& a, const TensorView& b) {
+    if (a.data != b.data || a.dtype != b.dtype || !same_shape(a, b)) return false;
+    for (int i = 0; i < a.ndim; ++i)
+      if (a.shape[i] > 1 && a.strides[i] != b.strides[i]) return false;
+    return true;
   }
 
   void devices() const {

@@ -9,6 +9,7 @@
 #include <numbers>
 #include <string>
 
+#include "format.hpp"
 #include "ropepool/error.hpp"
 
 namespace ropepool {
@@ -117,16 +118,22 @@ void llama3(const RopeScaling& s, double base, int64_t R, RopeSchedule& out) {
 
 // LongRoPE (Phi-3): per-frequency rescale factors, long or short by sequence length.
 void longrope(const RopeScaling& s, double base, int64_t R, RopeSchedule& out) {
+  // transformers (4.57) reads original_max_position_embeddings from the top level of the
+  // model config and falls back to max_position_embeddings silently; Phi-3 passing only its
+  // rope_scaling dict then gets attention factor 1 and short factors at every length, so
+  // here it is required (a keyword of its own in Python, SPEC §4).
+  const int64_t original_max = require_length("longrope", "original_max_position_embeddings",
+                                              s.original_max_position_embeddings);
   const int64_t max_pos =
       require_length("longrope", "max_position_embeddings", s.max_position_embeddings);
   const int64_t seq_len = require_length("longrope", "seq_len", s.seq_len);
-  double factor = s.factor;
-  int64_t original_max = max_pos;
-  if (s.original_max_position_embeddings) {
-    original_max = require_length("longrope", "original_max_position_embeddings",
-                                  s.original_max_position_embeddings);
-    factor = double(max_pos) / double(original_max);
-  }
+  const double factor = double(max_pos) / double(original_max);
+  if (s.longrope_factor && std::fabs(*s.longrope_factor - factor) > 1e-12 * factor)
+    fail("rope_scaling['factor'] = " + detail::py_float(*s.longrope_factor) +
+             " disagrees with max_position_embeddings / original_max_position_embeddings = " +
+             detail::py_float(factor),
+         "longrope's factor is max_position_embeddings / original_max_position_embeddings "
+         "(as transformers computes it); drop 'factor' or fix the lengths");
   if (s.attention_factor)
     out.attention_scaling = *s.attention_factor;
   else
@@ -185,29 +192,27 @@ void check_precomputed_schedule(const RopePoolParams& params, const RopeSchedule
   if (schedule.rotary_dim != R || int64_t(schedule.inv_freq.size()) != R / 2)
     fail("the precomputed schedule is for rotary_dim " + std::to_string(schedule.rotary_dim) +
          " with " + std::to_string(schedule.inv_freq.size()) +
-         " frequencies, but this call rotates " + std::to_string(R) + " elements");
+         " frequencies, but this call rotates " + std::to_string(R) + " elements",
+         "make the schedule with this call's head_dim and rotary_dim");
+  if (schedule.rope_base != 0 && schedule.rope_base != params.rope_base)
+    fail("rope_base = " + detail::py_float(params.rope_base) +
+             " disagrees with the schedule, made for rope_base = " +
+             detail::py_float(schedule.rope_base),
+         "pass the rope_base the schedule was made with (or make a new schedule)");
   check_finite(schedule);
-}
-
-const char* rope_type_name(RopeType type) {
-  switch (type) {
-    case RopeType::Default: return "default";
-    case RopeType::Linear: return "linear";
-    case RopeType::Dynamic: return "dynamic";
-    case RopeType::Yarn: return "yarn";
-    case RopeType::Llama3: return "llama3";
-    case RopeType::LongRope: return "longrope";
-  }
-  return "?";
 }
 
 RopeSchedule make_rope_schedule(const RopePoolParams& params) {
   RopeSchedule out;
   const int64_t R = check_rope_params(params);
   out.rotary_dim = R;
+  out.rope_base = params.rope_base;
   const double base = params.rope_base;
   const RopeScaling& s = params.rope_scaling;
 
+  if (params.inv_freq.data && !(s == RopeScaling{}))
+    fail("inv_freq replaces rope_scaling (and max_position_embeddings, "
+         "original_max_position_embeddings, seq_len); pass one or the other");
   if (params.inv_freq.data) {
     // The escape hatch: the caller's float32 table, widened exactly to double.
     const TensorView& t = params.inv_freq;

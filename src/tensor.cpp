@@ -9,19 +9,21 @@ const char* dtype_name(DType dtype) {
     case DType::BFloat16: return "bfloat16";
     case DType::Int32: return "int32";
     case DType::Int64: return "int64";
+    case DType::Float64: return "float64";
+    case DType::Int8: return "int8";
+    case DType::Int16: return "int16";
+    case DType::UInt8: return "uint8";
+    case DType::UInt16: return "uint16";
+    case DType::UInt32: return "uint32";
+    case DType::UInt64: return "uint64";
+    case DType::Bool: return "bool";
+    case DType::Complex64: return "complex64";
+    case DType::Complex128: return "complex128";
+    case DType::Float8E4M3FN: return "float8_e4m3fn";
+    case DType::Float8E5M2: return "float8_e5m2";
     case DType::Other: break;
   }
   return "other";
-}
-
-size_t dtype_size(DType dtype) {
-  switch (dtype) {
-    case DType::Float32: case DType::Int32: return 4;
-    case DType::Float16: case DType::BFloat16: return 2;
-    case DType::Int64: return 8;
-    case DType::Other: break;
-  }
-  return 0;
 }
 
 std::string device_name(Device device) {

@@ -12,6 +12,10 @@ struct RopeSchedule {
   int64_t rotary_dim = 0;         ///< R: the first R elements of a head are rotated
   std::vector<double> inv_freq;   ///< R/2 inverse frequencies (radians per position)
   double attention_scaling = 1.0; ///< multiplies cos and sin (mscale)
+  /// The rope_base it was made from (make_rope_schedule records it); a call passing this
+  /// schedule must pass the same rope_base (SPEC §4: a disagreeing keyword is an error).
+  /// 0 = made by hand, nothing to compare.
+  double rope_base = 0;
 };
 
 /// The schedule of `params`: head_dim, rope_base, rotary_dim, rope_scaling, inv_freq and

@@ -8,12 +8,30 @@
 
 namespace ropepool {
 
-enum class DType : uint8_t { Float32, Float16, BFloat16, Int32, Int64, Other };
+/// The op computes on Float32/Float16/BFloat16 and indexes with Int32/Int64; the other
+/// names exist so that a message can say what was passed ("got float64", not "got other").
+enum class DType : uint8_t {
+  Float32, Float16, BFloat16, Int32, Int64,
+  Float64, Int8, Int16, UInt8, UInt16, UInt32, UInt64, Bool, Complex64, Complex128,
+  Float8E4M3FN, Float8E5M2,
+  Other  ///< anything else (a message prints "other")
+};
 
-/// "float32", "float16", "bfloat16", "int32", "int64" or "other".
+/// "float32", "float16", "bfloat16", "int32", "int64", "float64", ... or "other".
 const char* dtype_name(DType dtype);
 /// Size of one element in bytes (0 for DType::Other).
-size_t dtype_size(DType dtype);
+constexpr size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::Float32: case DType::Int32: case DType::UInt32: return 4;
+    case DType::Float16: case DType::BFloat16: case DType::Int16: case DType::UInt16: return 2;
+    case DType::Int64: case DType::Float64: case DType::UInt64: case DType::Complex64: return 8;
+    case DType::Int8: case DType::UInt8: case DType::Bool: case DType::Float8E4M3FN:
+    case DType::Float8E5M2: return 1;
+    case DType::Complex128: return 16;
+    case DType::Other: break;
+  }
+  return 0;
+}
 inline bool is_float(DType d) {
   return d == DType::Float32 || d == DType::Float16 || d == DType::BFloat16;
 }
@@ -47,6 +65,33 @@ struct TensorView {
   int64_t dim(int i) const { return shape[i]; }
   int64_t stride(int i) const { return strides[i]; }
 };
+
+/// The bytes [lo, hi) from the lowest to one past the highest byte a view addresses
+/// (lo == hi for an empty view).
+struct ByteSpan {
+  int64_t lo = 0, hi = 0;
+  bool empty() const { return lo == hi; }
+};
+inline ByteSpan byte_span(const TensorView& v) {
+  int64_t n = 1;
+  for (int i = 0; i < v.ndim; ++i) n *= v.shape[i];
+  if (v.data == nullptr || n == 0) return {};
+  const int64_t es = dtype_size(v.dtype) ? int64_t(dtype_size(v.dtype)) : 1;
+  int64_t lo = int64_t(reinterpret_cast<intptr_t>(v.data)), hi = lo + es;
+  for (int i = 0; i < v.ndim; ++i) {
+    const int64_t extent = v.strides[i] * es * (v.shape[i] - 1);
+    (extent < 0 ? lo : hi) += extent;
+  }
+  return {lo, hi};
+}
+
+/// True when two views share at least one byte, decided exactly from data pointers,
+/// shapes, strides and element sizes (no memory is read). Exact for views of rank <= 3 whose
+/// last dimension is contiguous (what rope_pool_fused accepts); for others, overlapping
+/// byte spans count as overlap. Disjoint spans cost a few comparisons; otherwise the cost
+/// is bounded by the product of the two views' smaller dimensions times the smaller of
+/// their larger dimensions (one or two steps for real layouts such as fused QKV columns).
+bool views_overlap(const TensorView& a, const TensorView& b);
 
 /// "[2, 8, 128]": how the C++ API prints shapes in messages.
 std::string format_shape(const TensorView& t);

@@ -11,7 +11,7 @@ repository.
 """
 
 from ropepool import _ropepool
-from ropepool._op import rope_pool_fused
+from ropepool._op import rope_pool_fused, validate_rope_pool
 from ropepool._schedule import RopeSchedule, rope_schedule
 
 __version__: str = _ropepool.__version__
@@ -49,6 +49,7 @@ def cuda_check_slot_errors(device: int = -1) -> None:
 
 __all__ = [
     "rope_pool_fused",
+    "validate_rope_pool",
     "rope_schedule",
     "RopeSchedule",
     "set_num_threads",

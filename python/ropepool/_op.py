@@ -7,12 +7,10 @@ CUDA stream, and returns the caller's own pool objects.
 
 from __future__ import annotations
 
-import numbers
-import operator
 import sys
 from typing import Any, Mapping, Optional, Tuple
 
-from ropepool._schedule import RopeSchedule, rope_schedule
+from ropepool._schedule import RopeSchedule, _int, _real, _rotary_dim, rope_schedule
 
 from ropepool import _ropepool
 
@@ -41,6 +39,7 @@ def rope_pool_fused(
     interleaved: bool = False,
     rope_scaling: Optional[Mapping[str, Any]] = None,
     max_position_embeddings: Optional[int] = None,
+    original_max_position_embeddings: Optional[int] = None,
     seq_len: Optional[int] = None,
     inv_freq: Any = None,
     attention_scaling: Optional[float] = None,
@@ -60,7 +59,7 @@ def rope_pool_fused(
         head_dim, num_qo_heads, num_kv_heads: the head geometry (checked against shapes).
         rope_base: the RoPE base (theta), finite and > 0.
         rotary_dim: rotate only the first ``rotary_dim`` elements of each head (even,
-            <= head_dim; partial rotary); the rest is copied. Default: head_dim.
+            in (0, head_dim]; partial rotary); the rest is copied. None (default): head_dim.
         interleaved: GPT-J / "traditional" pairs ``(x[2i], x[2i+1])`` instead of NeoX
             half-split pairs ``(x[i], x[i + rotary_dim/2])``.
         rope_scaling: a Hugging Face ``config.rope_scaling`` dict (``rope_type`` or
@@ -68,12 +67,16 @@ def rope_pool_fused(
             :func:`rope_schedule` for the keys and the sequence-length rule.
         max_position_embeddings: the model's ``config.max_position_embeddings`` (dynamic,
             longrope, and yarn without ``original_max_position_embeddings``).
+        original_max_position_embeddings: longrope's pre-extension context length, which
+            Phi-3 keeps at the top level of its config (required for longrope).
         seq_len: the sequence length the schedule is for (dynamic, longrope).
         inv_freq: any other schedule: a CPU float32 array of ``rotary_dim/2`` inverse
             frequencies (replaces rope_base and rope_scaling).
         attention_scaling: multiplies cos and sin (replaces the schedule's own factor).
         schedule: a :class:`RopeSchedule` made once by :func:`rope_schedule` (the cheapest
-            per call); replaces rope_scaling, inv_freq and attention_scaling.
+            per call); replaces rope_scaling, inv_freq, attention_scaling,
+            max_position_embeddings, original_max_position_embeddings and seq_len (passing
+            any of them too is an error); rope_base must be the schedule's.
         inplace: write q_rot/k_rot into q and k and return them as q_rot/k_rot.
         check_slots: also reject two tokens writing the same slot (otherwise the row ends
             up holding one of those tokens' complete rows).
@@ -89,32 +92,13 @@ def rope_pool_fused(
     for backend failures. Nothing is written when an error is raised.
     """
     tensors = (q, k, v, positions, slots, k_pool, v_pool)
-    head_dim = operator.index(head_dim)
-    num_qo_heads = operator.index(num_qo_heads)
-    num_kv_heads = operator.index(num_kv_heads)
-    if not isinstance(rope_base, numbers.Real):
-        raise TypeError(
-            f"rope_pool_fused: rope_base must be a real number, got {type(rope_base).__name__}"
-        )
-    rope_base = float(rope_base)
+    head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, sched_freqs, sched_scale = \
+        _scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, rope_scaling,
+                 max_position_embeddings, original_max_position_embeddings, seq_len, inv_freq,
+                 attention_scaling, schedule)
     check_slots = bool(check_slots)
-    rotary_dim = 0 if rotary_dim is None else operator.index(rotary_dim)
     interleaved = bool(interleaved)
     inplace = bool(inplace)
-    if schedule is None and (rope_scaling is not None or inv_freq is not None
-                             or attention_scaling is not None or seq_len is not None
-                             or max_position_embeddings is not None):
-        schedule = rope_schedule(
-            head_dim=head_dim, rope_base=rope_base, rotary_dim=rotary_dim or None,
-            rope_scaling=rope_scaling, max_position_embeddings=max_position_embeddings,
-            seq_len=seq_len, inv_freq=inv_freq, attention_scaling=attention_scaling)
-    if schedule is not None:
-        if not isinstance(schedule, RopeSchedule):
-            raise TypeError("rope_pool_fused: schedule must be a ropepool.RopeSchedule, got "
-                            f"{type(schedule).__name__}")
-        sched_freqs, sched_scale = list(schedule.inv_freq), schedule.attention_scaling
-    else:
-        sched_freqs, sched_scale = None, 1.0
 
     if torch is not None and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) \
             and isinstance(v, torch.Tensor) and isinstance(positions, torch.Tensor) \
@@ -164,6 +148,104 @@ def rope_pool_fused(
         schedule_attention_scaling=sched_scale,
     )
     return q_rot, k_rot, k_pool, v_pool
+
+
+_SCHEDULE_KEYWORDS = ("rope_scaling", "inv_freq", "attention_scaling", "max_position_embeddings",
+                      "original_max_position_embeddings", "seq_len")
+
+
+def _scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, rope_scaling,
+             max_position_embeddings, original_max_position_embeddings, seq_len, inv_freq,
+             attention_scaling, schedule):
+    """The keyword arguments as the core takes them: Python types checked (bools are not
+    numbers), the schedule made or checked against the call."""
+    head_dim = _int("head_dim", head_dim)
+    num_qo_heads = _int("num_qo_heads", num_qo_heads)
+    num_kv_heads = _int("num_kv_heads", num_kv_heads)
+    rope_base = _real("rope_base", rope_base)
+    rotary_dim = _rotary_dim(rotary_dim, head_dim)
+    given = {"rope_scaling": rope_scaling, "inv_freq": inv_freq,
+             "attention_scaling": attention_scaling,
+             "max_position_embeddings": max_position_embeddings,
+             "original_max_position_embeddings": original_max_position_embeddings,
+             "seq_len": seq_len}
+    if schedule is None and any(v is not None for v in given.values()):
+        schedule = rope_schedule(
+            head_dim=head_dim, rope_base=rope_base, rotary_dim=rotary_dim or None,
+            rope_scaling=rope_scaling, max_position_embeddings=max_position_embeddings,
+            original_max_position_embeddings=original_max_position_embeddings,
+            seq_len=seq_len, inv_freq=inv_freq, attention_scaling=attention_scaling)
+    elif schedule is not None:
+        if not isinstance(schedule, RopeSchedule):
+            raise TypeError("rope_pool_fused: schedule must be a ropepool.RopeSchedule, got "
+                            f"{type(schedule).__name__}")
+        extra = [name for name in _SCHEDULE_KEYWORDS if given[name] is not None]
+        if extra:
+            raise ValueError("rope_pool_fused: schedule replaces " + ", ".join(extra)
+                             + "; pass them to rope_schedule, or drop schedule")
+        if schedule.rope_base and schedule.rope_base != rope_base:
+            # The core's wording (src/schedule.cpp, check_precomputed_schedule).
+            err = ValueError(f"rope_pool_fused: rope_base = {rope_base!r} disagrees with the "
+                             f"schedule, made for rope_base = {float(schedule.rope_base)!r}")
+            err.add_note("pass the rope_base the schedule was made with (or make a new schedule)")
+            raise err
+    if schedule is None:
+        return head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, None, 1.0
+    return (head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim,
+            list(schedule.inv_freq), schedule.attention_scaling)
+
+
+def validate_rope_pool(
+    q: Any,
+    k: Any,
+    v: Any,
+    positions: Any,
+    slots: Any,
+    k_pool: Any,
+    v_pool: Any,
+    *,
+    head_dim: int,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    rope_base: float,
+    rotary_dim: Optional[int] = None,
+    interleaved: bool = False,
+    rope_scaling: Optional[Mapping[str, Any]] = None,
+    max_position_embeddings: Optional[int] = None,
+    original_max_position_embeddings: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    inv_freq: Any = None,
+    attention_scaling: Optional[float] = None,
+    schedule: Optional["RopeSchedule"] = None,
+    inplace: bool = False,
+    check_slots: bool = False,
+) -> None:
+    """Only the validation of :func:`rope_pool_fused`, with its exact arguments: raises the
+    same error the op would for this call, writes nothing, never waits for a device.
+
+    As in C++ (``validate_rope_pool``), slot values in device memory are not read (on CUDA
+    an out-of-range slot is reported by the op itself, SPEC §3). q_rot/k_rot are allocated
+    as the op would (their overlap with the inputs is part of the check).
+    """
+    head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, sched_freqs, sched_scale = \
+        _scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, rope_scaling,
+                 max_position_embeddings, original_max_position_embeddings, seq_len, inv_freq,
+                 attention_scaling, schedule)
+    tensors = (q, k, v, positions, slots, k_pool, v_pool)
+    is_torch = torch is not None and all(isinstance(t, torch.Tensor) for t in tensors)
+    if inplace:
+        q_rot, k_rot = q, k
+    elif is_torch:
+        q_rot, k_rot = _new_torch_output(q), _new_torch_output(k)
+    else:
+        q_rot, k_rot = _new_array_output(q, "q"), _new_array_output(k, "k")
+    _ropepool.rope_pool_fused_into(
+        q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot,
+        head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        rope_base=rope_base, check_slots=bool(check_slots), stream=0, rotary_dim=rotary_dim,
+        interleaved=bool(interleaved), schedule_inv_freq=sched_freqs,
+        schedule_attention_scaling=sched_scale, validate_only=True,
+        exporter=_to_dlpack if is_torch else None)
 
 
 def _new_array_output(x: Any, name: str) -> Any:

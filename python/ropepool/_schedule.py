@@ -1,39 +1,22 @@
 """The RoPE schedule (SPEC §4): Hugging Face ``rope_scaling`` dicts in, the C++ schedule out.
 
-The arithmetic lives in C++ (``make_rope_schedule``, shared by every backend); this module
-only reads the dict the way transformers' config does and reports malformed ones.
+The rules (types, required and accepted keys, value types, aliases, ``rope_theta``) and the
+arithmetic live in C++ (``parse_rope_scaling`` and ``make_rope_schedule``), shared with C++
+callers; this module only tells Python's value types apart (a bool from an int, a number
+from a string), which only Python can, and hands the dict's items over.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import numbers
 import operator
 from typing import Any, Mapping, Optional, Tuple
 
 from ropepool import _ropepool
 
-# rope type -> keys it reads (beyond rope_type/type); the required ones are listed first.
-_REQUIRED = {
-    "default": (),
-    "linear": ("factor",),
-    "dynamic": ("factor",),
-    "yarn": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-               "original_max_position_embeddings"),
-    "longrope": ("short_factor", "long_factor"),
-}
-_OPTIONAL = {
-    "default": (),
-    "linear": (),
-    "dynamic": (),
-    "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-             "truncate", "original_max_position_embeddings"),
-    "llama3": (),
-    "longrope": ("factor", "attention_factor", "original_max_position_embeddings"),
-}
-# Old names transformers still maps ("su" and "yarn"-era aliases of longrope).
-_ALIASES = {"su": "longrope"}
+# ScalingValue::Kind (include/ropepool/rope_scaling.hpp)
+_NULL, _BOOL, _INT, _FLOAT, _STRING, _LIST, _OTHER = range(7)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,59 +24,84 @@ class RopeSchedule:
     """A RoPE schedule made once (e.g. at model load) and passed as ``schedule=``.
 
     ``inv_freq`` holds ``rotary_dim/2`` inverse frequencies in float64;
-    ``attention_scaling`` multiplies cos and sin (YaRN's / LongRoPE's mscale).
+    ``attention_scaling`` multiplies cos and sin (YaRN's / LongRoPE's mscale);
+    ``rope_base`` is the base it was made from: a call passing the schedule must pass the
+    same ``rope_base`` (a disagreement is an error, SPEC §4).
     """
 
     rotary_dim: int
     inv_freq: Tuple[float, ...]
     attention_scaling: float
+    rope_base: float = 0.0
 
 
-def _rope_type(rope_scaling: Mapping[str, Any]) -> str:
-    name = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if not isinstance(name, str):
-        raise ValueError(f"rope_pool_fused: rope_scaling type must be a string, got {name!r}")
-    return _ALIASES.get(name, name)
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not _is_bool(x)
 
 
-def _scaling_kwargs(rope_scaling: Mapping[str, Any], rope_base: float) -> dict:
-    if not isinstance(rope_scaling, Mapping):
-        raise TypeError("rope_pool_fused: rope_scaling must be a dict (config.rope_scaling), "
-                        f"got {type(rope_scaling).__name__}")
-    rope_type = _rope_type(rope_scaling)
-    if rope_type not in _REQUIRED:
-        return {"rope_type": rope_type}  # the core names the known types (parse_rope_type)
-    known = {"rope_type", "type", "rope_theta", *_REQUIRED[rope_type], *_OPTIONAL[rope_type]}
-    unknown = sorted(set(rope_scaling) - known)
-    if unknown:
-        # A key we do not read would be silently ignored: a model that needs it (e.g.
-        # multimodal "mrope_section") would get the wrong rotation.
-        raise ValueError(
-            f"rope_pool_fused: rope_scaling type '{rope_type}' does not use "
-            + ", ".join(repr(k) for k in unknown) + "; accepted keys: "
-            + ", ".join(sorted(known)))
-    missing = [k for k in _REQUIRED[rope_type] if rope_scaling.get(k) is None]
-    if missing:
-        raise ValueError(f"rope_pool_fused: rope_scaling type '{rope_type}' needs "
-                         + ", ".join(repr(k) for k in missing))
-    theta = rope_scaling.get("rope_theta")
-    if theta is not None and float(theta) != rope_base:
-        raise ValueError(f"rope_pool_fused: rope_scaling['rope_theta'] = {theta} differs from "
-                         f"rope_base = {rope_base}")
-    kw: dict = {"rope_type": rope_type}
-    for key in ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale",
-                "mscale_all_dim", "low_freq_factor", "high_freq_factor"):
-        if rope_scaling.get(key) is not None:
-            kw[key] = float(rope_scaling[key])
-    if rope_scaling.get("truncate") is not None:
-        kw["truncate"] = bool(rope_scaling["truncate"])
-    if rope_scaling.get("original_max_position_embeddings") is not None:
-        kw["original_max_position_embeddings"] = operator.index(
-            rope_scaling["original_max_position_embeddings"])
-    for key in ("short_factor", "long_factor"):
-        if rope_scaling.get(key) is not None:
-            kw[key] = [float(x) for x in rope_scaling[key]]
-    return kw
+def _is_bool(x: Any) -> bool:
+    return isinstance(x, bool) or type(x).__name__ == "bool_"  # numpy.bool_ too
+
+
+def _entry(key: Any, value: Any) -> tuple:
+    """(key, kind, bool, int, float, str, list): one normalised rope_scaling item."""
+    if not isinstance(key, str):
+        raise TypeError("rope_pool_fused: rope_scaling keys must be strings, got "
+                        f"{type(key).__name__} {key!r}")
+    e = [key, _NULL, False, 0, 0.0, "", []]
+    if value is None:
+        pass
+    elif _is_bool(value):
+        e[1], e[2] = _BOOL, bool(value)
+    elif isinstance(value, numbers.Integral):
+        i = int(value)
+        if -2**63 <= i < 2**63:
+            e[1], e[3] = _INT, i
+        else:
+            e[1], e[5] = _OTHER, "integer out of the int64 range"
+    elif isinstance(value, numbers.Real):
+        e[1], e[4] = _FLOAT, float(value)
+    elif isinstance(value, str):
+        e[1], e[5] = _STRING, value
+    elif isinstance(value, (list, tuple)):
+        bad = next((x for x in value if not _is_real(x)), None)
+        if bad is None and all(_is_real(x) for x in value):
+            e[1], e[6] = _LIST, [float(x) for x in value]
+        else:
+            e[1], e[5] = _OTHER, f"list containing a {type(bad).__name__}"
+    else:
+        e[1], e[5] = _OTHER, type(value).__name__
+    return tuple(e)
+
+
+def _real(name: str, x: Any) -> float:
+    if _is_bool(x) or not isinstance(x, numbers.Real):
+        raise TypeError(f"rope_pool_fused: {name} must be a real number, got "
+                        f"{type(x).__name__}")
+    return float(x)
+
+
+def _int(name: str, x: Any) -> int:
+    if _is_bool(x):
+        raise TypeError(f"rope_pool_fused: {name} must be an integer, got bool")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise TypeError(f"rope_pool_fused: {name} must be an integer, got "
+                        f"{type(x).__name__}") from None
+
+
+def _rotary_dim(rotary_dim: Any, head_dim: int) -> int:
+    """None means the whole head (0 for the core); an explicit 0 is an error, not a default."""
+    if rotary_dim is None:
+        return 0
+    rotary_dim = _int("rotary_dim", rotary_dim)
+    if rotary_dim == 0:
+        err = ValueError(f"rope_pool_fused: rotary_dim must be even and in (0, head_dim = "
+                         f"{head_dim}], got 0")
+        err.add_note("pass rotary_dim=None to rotate the whole head")
+        raise err
+    return rotary_dim
 
 
 def rope_schedule(
@@ -103,6 +111,7 @@ def rope_schedule(
     rotary_dim: Optional[int] = None,
     rope_scaling: Optional[Mapping[str, Any]] = None,
     max_position_embeddings: Optional[int] = None,
+    original_max_position_embeddings: Optional[int] = None,
     seq_len: Optional[int] = None,
     inv_freq: Any = None,
     attention_scaling: Optional[float] = None,
@@ -120,31 +129,39 @@ def rope_schedule(
       ``original_max_position_embeddings``, falling back to ``max_position_embeddings``);
     - ``llama3`` (``factor``, ``low_freq_factor``, ``high_freq_factor``,
       ``original_max_position_embeddings``);
-    - ``longrope`` (``short_factor``, ``long_factor``; needs ``max_position_embeddings``
-      and ``seq_len``; ``original_max_position_embeddings`` from the dict or, as Phi-3
-      configs keep it, the model config): ``long_factor`` once
+    - ``longrope`` (``short_factor``, ``long_factor``; needs ``max_position_embeddings``,
+      ``seq_len`` and ``original_max_position_embeddings``, which Phi-3 keeps at the top
+      level of its config: pass ``original_max_position_embeddings=config.
+      original_max_position_embeddings``; a ``factor`` in the dict must equal
+      ``max_position_embeddings / original_max_position_embeddings``): ``long_factor`` once
       ``seq_len > original_max_position_embeddings``.
 
+    A keyword the chosen type does not read (``seq_len`` for ``yarn``, ...) is an error.
     The sequence-length rule (dynamic, longrope): pass the length the batch has reached,
     as transformers does (``max(position) + 1`` over the sequences in the batch); make a
     new schedule when it crosses the threshold. ``inv_freq`` (a CPU float32 array of
     ``rotary_dim/2`` entries) replaces all of this; ``attention_scaling`` replaces the
-    schedule's own factor. Raises ValueError for a malformed dict or values.
+    schedule's own factor. Raises ValueError for a malformed dict or values, TypeError for
+    arguments of the wrong Python type.
     """
-    head_dim = operator.index(head_dim)
-    rope_base = float(rope_base)
-    kw = _scaling_kwargs(rope_scaling, rope_base) if rope_scaling is not None else {}
-    if max_position_embeddings is not None:
-        kw["max_position_embeddings"] = operator.index(max_position_embeddings)
-    if seq_len is not None:
-        kw["seq_len"] = operator.index(seq_len)
+    head_dim = _int("head_dim", head_dim)
+    rope_base = _real("rope_base", rope_base)
+    entries = None
+    if rope_scaling is not None:
+        if not isinstance(rope_scaling, Mapping):
+            raise TypeError("rope_pool_fused: rope_scaling must be a dict (config.rope_scaling), "
+                            f"got {type(rope_scaling).__name__}")
+        entries = [_entry(k, v) for k, v in rope_scaling.items()]
     if attention_scaling is not None:
-        attention_scaling = float(attention_scaling)
-        if not math.isfinite(attention_scaling):
-            raise ValueError(f"rope_pool_fused: attention_scaling must be finite, got "
-                             f"{attention_scaling}")
-    rotary, freqs, scale = _ropepool.rope_schedule(
-        head_dim=head_dim, rope_base=rope_base,
-        rotary_dim=0 if rotary_dim is None else operator.index(rotary_dim),
-        inv_freq=inv_freq, attention_scaling=attention_scaling, **kw)
-    return RopeSchedule(rotary_dim=rotary, inv_freq=tuple(freqs), attention_scaling=scale)
+        attention_scaling = _real("attention_scaling", attention_scaling)
+    rotary, freqs, scale, base = _ropepool.rope_schedule(
+        head_dim=head_dim, rope_base=rope_base, rotary_dim=_rotary_dim(rotary_dim, head_dim),
+        rope_scaling=entries,
+        max_position_embeddings=None if max_position_embeddings is None
+        else _int("max_position_embeddings", max_position_embeddings),
+        original_max_position_embeddings=None if original_max_position_embeddings is None
+        else _int("original_max_position_embeddings", original_max_position_embeddings),
+        seq_len=None if seq_len is None else _int("seq_len", seq_len),
+        inv_freq=inv_freq, attention_scaling=attention_scaling)
+    return RopeSchedule(rotary_dim=rotary, inv_freq=tuple(freqs), attention_scaling=scale,
+                        rope_base=base)

@@ -7,6 +7,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+#include <nanobind/stl/tuple.h>
 
 #include <array>
 #include <exception>
@@ -18,6 +19,7 @@
 #include "bindings.hpp"
 #include "ropepool/error.hpp"
 #include "ropepool/rope_pool.hpp"
+#include "ropepool/rope_scaling.hpp"
 #include "ropepool/schedule.hpp"
 
 namespace nb = nanobind;
@@ -36,17 +38,28 @@ using WriteArray = nb::ndarray<>;
 constexpr std::array<const char*, 9> kArgNames = {"q",      "k",      "v",     "positions", "slots",
                                                   "k_pool", "v_pool", "q_out", "k_out"};
 
+// Every DLPack dtype gets its name, so that a message says "got float64", not "other".
 DType to_dtype(nb::dlpack::dtype dt) {
   if (dt.lanes != 1) return DType::Other;
   switch (static_cast<nb::dlpack::dtype_code>(dt.code)) {
     case nb::dlpack::dtype_code::Float:
-      return dt.bits == 32 ? DType::Float32 : dt.bits == 16 ? DType::Float16 : DType::Other;
+      return dt.bits == 32 ? DType::Float32 : dt.bits == 16 ? DType::Float16
+                           : dt.bits == 64 ? DType::Float64 : DType::Other;
     case nb::dlpack::dtype_code::Bfloat:
       return dt.bits == 16 ? DType::BFloat16 : DType::Other;
     case nb::dlpack::dtype_code::Int:
-      return dt.bits == 32 ? DType::Int32 : dt.bits == 64 ? DType::Int64 : DType::Other;
+      return dt.bits == 32 ? DType::Int32 : dt.bits == 64 ? DType::Int64
+             : dt.bits == 16 ? DType::Int16 : dt.bits == 8 ? DType::Int8 : DType::Other;
+    case nb::dlpack::dtype_code::UInt:
+      return dt.bits == 8 ? DType::UInt8 : dt.bits == 16 ? DType::UInt16
+             : dt.bits == 32 ? DType::UInt32 : dt.bits == 64 ? DType::UInt64 : DType::Other;
+    case nb::dlpack::dtype_code::Bool:
+      return DType::Bool;
+    case nb::dlpack::dtype_code::Complex:
+      return dt.bits == 64 ? DType::Complex64 : dt.bits == 128 ? DType::Complex128 : DType::Other;
     default:
-      return DType::Other;
+      // DLPack 1.1 codes (not in nanobind's enum): kDLFloat8_e4m3fn = 10, kDLFloat8_e5m2 = 12
+      return dt.code == 10 ? DType::Float8E4M3FN : dt.code == 12 ? DType::Float8E5M2 : DType::Other;
   }
 }
 
@@ -113,6 +126,44 @@ Array import_array(nb::handle obj, const char* name, bool writable, nb::handle e
     throw nb::type_error(("rope_pool_fused: " + std::string(name) +
                           " is read-only; the op writes into it, pass a writable array")
                              .c_str());
+  // Say why an array-like object could not be imported, rather than "must be an array".
+  if (nb::hasattr(obj, "shape") && nb::hasattr(obj, "dtype")) {
+    // str(x) (nb::str(h) would only re-label h, not convert it)
+    auto text = [](nb::handle h) -> std::string {
+      nb::object s = nb::steal(PyObject_Str(h.ptr()));
+      if (!s.is_valid()) {
+        PyErr_Clear();
+        return {};
+      }
+      return nb::borrow<nb::str>(s).c_str();
+    };
+    std::string device, dtype;
+    try {
+      nb::object d = obj.attr("device");
+      device = text(nb::hasattr(d, "type") ? d.attr("type") : d);
+    } catch (const std::exception&) {
+    }
+    try {
+      dtype = text(obj.attr("dtype"));
+    } catch (const std::exception&) {
+    }
+    if (device == "meta")
+      throw nb::value_error(("rope_pool_fused: " + std::string(name) +
+                             " is on the meta device (no memory); meta tensors are unsupported "
+                             "outside torch.compile tracing, which uses the op's fake "
+                             "implementation").c_str());
+    throw nb::value_error(("rope_pool_fused: " + std::string(name) + " (" + py_type_name(obj) +
+                           " of dtype " + dtype +
+                           ") cannot be exported through DLPack or the buffer protocol; "
+                           "expected float32, float16 or bfloat16 (q/k/v/pools) or int32/int64 "
+                           "(positions/slots)" +
+                           (dtype.find("bfloat16") != std::string::npos
+                                ? "; NumPy cannot export bfloat16 (ml_dtypes): pass a torch "
+                                  "tensor, e.g. torch.from_numpy(x.view(numpy.uint16))"
+                                  ".view(torch.bfloat16)"
+                                : ""))
+                              .c_str());
+  }
   throw nb::type_error(("rope_pool_fused: " + std::string(name) +
                         " must be an array (torch.Tensor, numpy.ndarray or another DLPack "
                         "producer), got " + py_type_name(obj))
@@ -142,7 +193,7 @@ void rope_pool_fused_into(nb::handle q, nb::handle k, nb::handle v, nb::handle p
                           bool check_slots, uintptr_t stream, nb::handle exporter,
                           int64_t rotary_dim, bool interleaved,
                           std::optional<std::vector<double>> schedule_inv_freq,
-                          double schedule_attention_scaling) {
+                          double schedule_attention_scaling, bool validate_only) {
   const std::array<nb::handle, 9> objects = {q, k, v, positions, slots, k_pool, v_pool,
                                              q_out, k_out};
   // The imported arrays hold references to the producers' buffers for the whole call.
@@ -178,7 +229,9 @@ void rope_pool_fused_into(nb::handle q, nb::handle k, nb::handle v, nb::handle p
   params.interleaved = interleaved;
   RopeSchedule schedule;
   if (schedule_inv_freq) {
-    schedule.rotary_dim = rotary_dim ? rotary_dim : head_dim;
+    // The schedule's own rotary_dim (2 entries per frequency), not the call's: a mismatch
+    // must be reported with the schedule's numbers.
+    schedule.rotary_dim = 2 * int64_t(schedule_inv_freq->size());
     schedule.inv_freq = std::move(*schedule_inv_freq);
     schedule.attention_scaling = schedule_attention_scaling;
     params.schedule = &schedule;
@@ -193,92 +246,90 @@ void rope_pool_fused_into(nb::handle q, nb::handle k, nb::handle v, nb::handle p
 
   // The CPU backend runs its own worker threads; other Python threads may run meanwhile.
   nb::gil_scoped_release release;
-  rope_pool_fused(tensors, params, options);
+  if (validate_only)
+    validate_rope_pool(tensors, params, options);
+  else
+    rope_pool_fused(tensors, params, options);
 }
 
-RopeType parse_rope_type(const std::string& name) {
-  for (RopeType t : {RopeType::Default, RopeType::Linear, RopeType::Dynamic, RopeType::Yarn,
-                     RopeType::Llama3, RopeType::LongRope})
-    if (name == rope_type_name(t)) return t;
-  throw Error("rope_pool_fused: unknown rope_scaling type '" + name +
-                  "'; expected one of default, linear, dynamic, yarn, llama3, longrope",
-              "for any other schedule pass inv_freq (and attention_scaling) directly");
-}
+// A rope_scaling entry as the Python layer normalises it: (key, kind, bool, int, float, str,
+// list); kind is ScalingValue::Kind (the Python layer has told bools from ints and numbers
+// from strings, which only it can).
+using Entry = std::tuple<std::string, int, bool, int64_t, double, std::string, std::vector<double>>;
 
-// The schedule of SPEC §4 (make_rope_schedule), for the Python layer: it is computed once
-// per call from the keyword arguments (or once at model load by ropepool.rope_schedule)
-// and handed to the op as plain numbers, which the torch op schema can carry.
+// The schedule of SPEC §4 (parse_rope_scaling + make_rope_schedule), for the Python layer:
+// it is computed once per call from the keyword arguments (or once at model load by
+// ropepool.rope_schedule) and handed to the op as plain numbers, which the torch op schema
+// can carry.
 nb::tuple rope_schedule(int64_t head_dim, double rope_base, int64_t rotary_dim,
-                        const std::string& rope_type, double factor,
-                        std::optional<double> attention_factor, std::optional<double> beta_fast,
-                        std::optional<double> beta_slow, std::optional<double> mscale,
-                        std::optional<double> mscale_all_dim, bool truncate,
-                        double low_freq_factor, double high_freq_factor,
-                        std::optional<int64_t> original_max_position_embeddings,
+                        std::optional<std::vector<Entry>> rope_scaling,
                         std::optional<int64_t> max_position_embeddings,
-                        std::vector<double> short_factor, std::vector<double> long_factor,
+                        std::optional<int64_t> original_max_position_embeddings,
                         std::optional<int64_t> seq_len, nb::handle inv_freq,
                         std::optional<double> attention_scaling) {
   RopePoolParams params;
   params.head_dim = head_dim;
   params.rope_base = rope_base;
   params.rotary_dim = rotary_dim;
-  RopeScaling& s = params.rope_scaling;
-  s.type = parse_rope_type(rope_type);
-  s.factor = factor;
-  s.attention_factor = attention_factor;
-  s.beta_fast = beta_fast;
-  s.beta_slow = beta_slow;
-  s.mscale = mscale;
-  s.mscale_all_dim = mscale_all_dim;
-  s.truncate = truncate;
-  s.low_freq_factor = low_freq_factor;
-  s.high_freq_factor = high_freq_factor;
-  s.original_max_position_embeddings = original_max_position_embeddings;
-  s.max_position_embeddings = max_position_embeddings;
-  s.short_factor = std::move(short_factor);
-  s.long_factor = std::move(long_factor);
-  s.seq_len = seq_len;
+  ScalingEntries entries;
+  if (rope_scaling)
+    for (auto& [key, kind, b, i, f, text, list] : *rope_scaling) {
+      ScalingValue v;
+      v.kind = static_cast<ScalingValue::Kind>(kind);
+      v.boolean = b, v.integer = i, v.number = f, v.text = text, v.list = list;
+      entries.emplace_back(key, std::move(v));
+    }
+  RopeScalingContext context;
+  context.rope_base = rope_base;
+  context.max_position_embeddings = max_position_embeddings;
+  context.original_max_position_embeddings = original_max_position_embeddings;
+  context.seq_len = seq_len;
+  const bool has_table = !inv_freq.is_none();
+  if (has_table && !rope_scaling) {
+    // Next to an inv_freq table these lengths are unused: make_rope_schedule says so.
+    params.rope_scaling.max_position_embeddings = max_position_embeddings;
+    params.rope_scaling.original_max_position_embeddings = original_max_position_embeddings;
+    params.rope_scaling.seq_len = seq_len;
+  } else {
+    params.rope_scaling = parse_rope_scaling(entries, context);
+  }
   params.attention_scaling = attention_scaling;
   ReadArray table;
-  if (!inv_freq.is_none()) {
+  if (has_table) {
     table = import_array<ReadArray>(inv_freq, "inv_freq", false, nb::none());
     params.inv_freq = to_view(table);
   }
   const RopeSchedule schedule = make_rope_schedule(params);
   nb::list freqs;
   for (double f : schedule.inv_freq) freqs.append(f);
-  return nb::make_tuple(schedule.rotary_dim, freqs, schedule.attention_scaling);
+  return nb::make_tuple(schedule.rotary_dim, freqs, schedule.attention_scaling, schedule.rope_base);
 }
 
 }  // namespace
 
 void init_rope_pool(nb::module_& m) {
   m.def("rope_schedule", &rope_schedule, nb::kw_only(), "head_dim"_a, "rope_base"_a,
-        "rotary_dim"_a = 0, "rope_type"_a = "default", "factor"_a = 1.0,
-        "attention_factor"_a = nb::none(), "beta_fast"_a = nb::none(),
-        "beta_slow"_a = nb::none(), "mscale"_a = nb::none(), "mscale_all_dim"_a = nb::none(),
-        "truncate"_a = true, "low_freq_factor"_a = 1.0, "high_freq_factor"_a = 4.0,
-        "original_max_position_embeddings"_a = nb::none(),
-        "max_position_embeddings"_a = nb::none(), "short_factor"_a = std::vector<double>{},
-        "long_factor"_a = std::vector<double>{}, "seq_len"_a = nb::none(),
+        "rotary_dim"_a = 0, "rope_scaling"_a = nb::none(),
+        "max_position_embeddings"_a = nb::none(),
+        "original_max_position_embeddings"_a = nb::none(), "seq_len"_a = nb::none(),
         "inv_freq"_a = nb::none(), "attention_scaling"_a = nb::none(),
-        "Low-level: (rotary_dim, inv_freq as a list of floats, attention_scaling) of a "
-        "schedule (C++ make_rope_schedule). Use ropepool.rope_schedule instead.");
+        "Low-level: (rotary_dim, inv_freq as a list of floats, attention_scaling, rope_base) "
+        "of a schedule (C++ parse_rope_scaling + make_rope_schedule); rope_scaling is a list "
+        "of normalised entries. Use ropepool.rope_schedule instead.");
 
   m.def("rope_pool_fused_into", &rope_pool_fused_into, "q"_a, "k"_a, "v"_a, "positions"_a,
         "slots"_a, "k_pool"_a, "v_pool"_a, "q_out"_a, "k_out"_a, nb::kw_only(),
         "head_dim"_a, "num_qo_heads"_a, "num_kv_heads"_a, "rope_base"_a,
         "check_slots"_a = false, "stream"_a = 0, "exporter"_a = nb::none(),
         "rotary_dim"_a = 0, "interleaved"_a = false, "schedule_inv_freq"_a = nb::none(),
-        "schedule_attention_scaling"_a = 1.0,
+        "schedule_attention_scaling"_a = 1.0, "validate_only"_a = false,
         nb::sig("def rope_pool_fused_into(q: object, k: object, v: object, "
                 "positions: object, slots: object, k_pool: object, v_pool: object, "
                 "q_out: object, k_out: object, *, head_dim: int, num_qo_heads: int, "
                 "num_kv_heads: int, rope_base: float, check_slots: bool = False, "
                 "stream: int = 0, exporter: object = None, rotary_dim: int = 0, "
                 "interleaved: bool = False, schedule_inv_freq: list[float] | None = None, "
-                "schedule_attention_scaling: float = 1.0) -> None"),
+                "schedule_attention_scaling: float = 1.0, validate_only: bool = False) -> None"),
         R"doc(Low-level entry point: rotates q and k into the caller-allocated q_out/k_out
 and writes rotated k and v into k_pool/v_pool (SPEC §1), all in place.
 
@@ -288,7 +339,8 @@ stream); the caller must have made the arrays' device current. `exporter(x)`, if
 returns a DLPack capsule for x (a faster route than x.__dlpack__()); messages still print
 shapes from the objects themselves. `schedule_inv_freq`/`schedule_attention_scaling`, when
 given, are a precomputed schedule (from rope_schedule) for rotary_dim; q_out/k_out may be
-q/k themselves (in-place rotation). Raises ValueError with the
+q/k themselves (in-place rotation). With `validate_only`, only the validation runs
+(validate_rope_pool): the same errors, nothing written. Raises ValueError with the
 SPEC §2 messages (extra help in the exception's notes) and RuntimeError for backend
 failures. Most callers want `ropepool.rope_pool_fused`.)doc");
 }

@@ -83,6 +83,13 @@ int64_t parallel_min_bytes() { return g_parallel_min_bytes.load(std::memory_orde
 
 }  // namespace cpu
 
+BackendLimits cpu_limits() {
+  BackendLimits l;
+  l.name = "cpu";
+  l.max_angle = kMaxAngle;  // kernel_hwy.cpp: the angle in double, one-rounding reduction
+  return l;
+}
+
 void rope_pool_cpu(const RopePoolProblem& p) {
   using namespace cpu;
   assert(p.rotary_dim > 0 && p.rotary_dim % 2 == 0 && p.rotary_dim <= p.head_dim);

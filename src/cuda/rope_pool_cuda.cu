@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cassert>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -18,6 +19,7 @@
 
 #include "../backend.hpp"
 #include "launch.hpp"
+#include "limits.hpp"
 #include "rope_pool_kernel.cuh"
 #include "ropepool/cuda.hpp"
 #include "ropepool/error.hpp"
@@ -31,7 +33,7 @@ using cuda_launch::LaunchConfig;
 using cuda_launch::LaunchPlan;
 using cuda_launch::Path;
 
-constexpr int kMaxDevices = 64;
+constexpr int kMaxDevices = int(cuda_limits_values::kMaxDevices);
 
 void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess)
@@ -173,15 +175,18 @@ bool is_tuned_head_dim(int64_t d) { return d == 64 || d == 96 || d == 128 || d =
 
 }  // namespace
 
+// The limits validation asks for (limits.hpp) must be the kernel's.
+static_assert(cuda_limits_values::kMaxRotaryDim == 2 * cuda::kMaxHalfRotary);
+static_assert(cuda_limits_values::kMaxHeadsXHeadDim + 32 * cuda::kQUnits < (int64_t(1) << 24) &&
+              cuda_limits_values::kMaxHeadsXHeadDim + 32 * cuda::kVVecs < (int64_t(1) << 24));
+
 namespace cuda_launch {
 
 LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) {
   const size_t es = dtype_size(p.dtype);
   const int64_t T = p.num_tokens, D = p.head_dim, R = p.rotary_dim, half = R / 2;
-  if (half > cuda::kMaxHalfRotary)
-    throw Error("rope_pool_fused: the CUDA backend supports rotary_dim up to " +
-                    std::to_string(2 * cuda::kMaxHalfRotary) + ", got " + std::to_string(R),
-                "rotate the first 512 elements with rotary_dim, or use the CPU backend");
+  // Validation (src/rope_pool.cpp) has checked cuda_limits(): these only assert.
+  assert(half <= cuda::kMaxHalfRotary);
 
   LaunchPlan plan;
   const int vec = int(16 / es);
@@ -210,10 +215,9 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   const int64_t kv_span = p.num_kv_heads * std::max(units_per_head, D / plan.vec_elems);
 
   // Item indices inside a CTA are int (kernel): keep them far from overflow.
-  if (q_units + 32 * cuda::kQUnits >= (int64_t(1) << 24) ||
-      kv_span + 32 * cuda::kVVecs >= (int64_t(1) << 24))
-    throw Error("rope_pool_fused: num_qo_heads/num_kv_heads * head_dim is too large for the "
-                "CUDA backend");
+  assert(q_units + 32 * cuda::kQUnits < (int64_t(1) << 24) &&
+         kv_span + 32 * cuda::kVVecs < (int64_t(1) << 24));
+  (void)kv_span;
 
   LaunchConfig c = overrides;
   // A CTA per token, one warp per item, so the token's items run side by side; the warp
@@ -234,8 +238,7 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   // drains (it waits for that kernel in-kernel before touching memory) and lets the next one
   // start once its table is built, which hides part of the launch gap at every T.
   if (c.pdl == 0) c.pdl = 1;
-  if (plan.grid > 0x7fffffff)
-    throw Error("rope_pool_fused: too many tokens for one CUDA launch, got " + std::to_string(T));
+  assert(plan.grid <= cuda_limits_values::kMaxTokens);
   plan.config = c;
   return plan;
 }
@@ -319,7 +322,7 @@ void launch_dtype(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRec
 }
 
 void run(const RopePoolProblem& p, const LaunchConfig& overrides) {
-  const LaunchPlan plan = cuda_launch::plan_launch(p, overrides);  // may throw Error
+  const LaunchPlan plan = cuda_launch::plan_launch(p, overrides);  // validated: asserts only
   const int device = device_of(p.q.data);
   DeviceGuard guard(device);
   report_pending_slot_error(device);
@@ -341,6 +344,8 @@ void rope_pool_cuda_with(const RopePoolProblem& problem, const LaunchConfig& ove
   run(problem, overrides);
 }
 }  // namespace cuda_launch
+
+BackendLimits cuda_limits() { return cuda_limits_values::value(); }
 
 bool cuda_backend_available() {
   static const bool available = [] {

@@ -101,19 +101,22 @@ def test_3_flat_pool(case, framework):
 def test_4_q_shape(case, framework, rng, device):
     q = random_like(framework, rng, (T, HQ + 1, D), device=device)
     expect_error(with_(case, q=q), "q shape must be [num_tokens, num_qo_heads, head_dim], got "
-                 + shape_text(framework, (T, HQ + 1, D)))
+                 + shape_text(framework, (T, HQ + 1, D)),
+                 note=f"num_qo_heads = {HQ} but q.shape[1] = {HQ + 1}")
 
 
 def test_4_q_head_dim(case, framework, rng, device):
     q = random_like(framework, rng, (T, HQ, D + 2), device=device)
     expect_error(with_(case, q=q), "q shape must be [num_tokens, num_qo_heads, head_dim], got "
-                 + shape_text(framework, (T, HQ, D + 2)))
+                 + shape_text(framework, (T, HQ, D + 2)),
+                 note=f"head_dim = {D} but q.shape[2] = {D + 2}")
 
 
 def test_5_k_shape(case, framework, rng, device):
     k = random_like(framework, rng, (T + 1, HK, D), device=device)
     expect_error(with_(case, k=k), "k shape must be [num_tokens, num_kv_heads, head_dim], got "
-                 + shape_text(framework, (T + 1, HK, D)))
+                 + shape_text(framework, (T + 1, HK, D)),
+                 note=f"k.shape[0] = {T + 1} but q has {T} tokens")
 
 
 def test_6_v_shape(case, framework, rng, device):
@@ -157,12 +160,15 @@ def test_9_v_pool_shape(case, framework, rng, device):
 
 def test_10_qkv_dtypes(case, framework, rng, device):
     k = random_like(framework, rng, (T, HK, D), dtype="float16", device=device)
-    expect_error(with_(case, k=k), "q/k/v dtypes must match")
+    expect_error(with_(case, k=k), "q/k/v dtypes must match",
+                 note="got q float32, k float16, v float32")
 
 
 def test_11_pool_dtypes(case, framework, rng, device):
     pool = random_like(framework, rng, (P, HK, D), dtype="float16", device=device)
-    expect_error(with_(case, v_pool=pool), "pool dtypes must match q/k/v dtype")
+    expect_error(with_(case, v_pool=pool), "pool dtypes must match q/k/v dtype",
+                 note="got k_pool float32, v_pool float16 for q/k/v of float32; the pools hold "
+                 "rotated k and v in q's dtype")
 
 
 # ---- order: the first failing check wins ---------------------------------------------------
@@ -177,14 +183,17 @@ def test_order_rank_before_everything(case, framework, rng, device):
 def test_order_shape_before_dtype(case, framework, rng, device):
     q = random_like(framework, rng, (T, HQ + 2, D), dtype="float16", device=device)
     expect_error(with_(case, q=q), "q shape must be [num_tokens, num_qo_heads, head_dim], got "
-                 + shape_text(framework, (T, HQ + 2, D)))
+                 + shape_text(framework, (T, HQ + 2, D)),
+                 note=f"num_qo_heads = {HQ} but q.shape[1] = {HQ + 2}")
 
 
 def test_order_contract_before_index_dtype(case, framework, rng, device):
     pool = random_like(framework, rng, (P, HK, D), dtype="float16", device=device)
     positions = case.positions.astype(np.float32) if framework == "numpy" else case.positions.float()
     expect_error(with_(case, k_pool=pool, v_pool=pool, positions=positions),
-                 "pool dtypes must match q/k/v dtype")
+                 "pool dtypes must match q/k/v dtype",
+                 note="got k_pool float16, v_pool float16 for q/k/v of float32; the pools hold "
+                 "rotated k and v in q's dtype")
 
 
 def test_order_slot_range_before_duplicates(case, framework):

@@ -45,7 +45,7 @@ def test_signature_is_explicit_and_keyword_only():
     assert keyword_only == {"head_dim": empty, "num_qo_heads": empty, "num_kv_heads": empty,
                             "rope_base": empty, "rotary_dim": None, "interleaved": False,
                             "rope_scaling": None, "max_position_embeddings": None,
-                            "seq_len": None, "inv_freq": None, "attention_scaling": None,
+                            "original_max_position_embeddings": None, "seq_len": None, "inv_freq": None, "attention_scaling": None,
                             "schedule": None, "inplace": False, "check_slots": False}
     for fn in (ropepool.rope_pool_fused, ropepool.set_num_threads, ropepool.get_num_threads):
         assert fn.__doc__ and len(fn.__doc__) > 40

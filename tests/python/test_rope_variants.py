@@ -140,10 +140,11 @@ def our_kwargs(cfg, seq_len=None):
               interleaved=cfg["style"] in ("gptj", "glm"))
     if cfg["rope_scaling"] is not None:
         kw["rope_scaling"] = dict(cfg["rope_scaling"])
-        kw["max_position_embeddings"] = cfg["max_position_embeddings"]
+        # Only the keywords the type reads (SPEC §4: any other one is an error).
+        if rope_type(cfg) in ("dynamic", "yarn", "longrope"):
+            kw["max_position_embeddings"] = cfg["max_position_embeddings"]
         if "original_max_position_embeddings" in cfg:  # Phi-3 keeps it at the top level
-            kw["rope_scaling"].setdefault("original_max_position_embeddings",
-                                          cfg["original_max_position_embeddings"])
+            kw["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
         if rope_type(cfg) in SEQ_LENS:
             kw["seq_len"] = seq_len
     return kw
@@ -382,8 +383,8 @@ def test_schedule_object_and_escape_hatch(device):
     a = _call(*case[:5], case[5].clone(), case[6].clone(), cfg)
     b = ropepool.rope_pool_fused(*case[:5], case[5].clone(), case[6].clone(),
                                  head_dim=cfg["head_dim"], num_qo_heads=cfg["num_attention_heads"],
-                                 num_kv_heads=cfg["num_key_value_heads"], rope_base=1.0,
-                                 schedule=sched)
+                                 num_kv_heads=cfg["num_key_value_heads"],
+                                 rope_base=kw["rope_base"], schedule=sched)
     for x, y in zip(a, b):
         assert torch.equal(_bits(x), _bits(y))
     table = torch.rand(cfg["head_dim"] // 2, generator=gen, dtype=torch.float32)
@@ -410,7 +411,7 @@ def test_schedule_object_and_escape_hatch(device):
     ({"type": "linear", "factor": -1.0}, {},
      "rope_pool_fused: rope_scaling 'linear' needs factor > 0, got -1"),
     ({"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 3},
-     {"max_position_embeddings": 8192, "seq_len": 10},
+     {"max_position_embeddings": 8192, "original_max_position_embeddings": 4096, "seq_len": 10},
      "rope_pool_fused: rope_scaling 'longrope' needs short_factor with rotary_dim/2 = 64 "
      "entries, got 3"),
 ])
