@@ -5,6 +5,10 @@
 #   scripts/check_wheel.sh [--python PY] WHEEL
 #       fresh venv + WHEEL, libhwy hidden: prints the ropepool imported (it must be the
 #       wheel's), runs `python -m ropepool --version` and pytest tests/python; exit 0 = pass
+#   scripts/check_wheel.sh --python PY --smoke WHEEL
+#       for an interpreter without the test requirements (e.g. an abi3 wheel on 3.13):
+#       NumPy from the package index instead, then the import, `python -m ropepool verify`
+#       and one NumPy call, libhwy hidden as above
 #   scripts/check_wheel.sh [--python PY] --expect-import-failure WHEEL
 #       the negative control, for a wheel that was not repaired: `import ropepool` must fail
 #       for want of libhwy (exit 0 when it does), which shows the check above can fail
@@ -24,12 +28,14 @@ ROOT=$PWD
 
 py=python3
 expect_failure=0
+smoke=0
 wheel=
 while (($#)); do
   case "$1" in
     --python) py=${2:?}; shift 2 ;;
     --expect-import-failure) expect_failure=1; shift ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --smoke) smoke=1; shift ;;
+    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "check_wheel.sh: unknown option '$1'" >&2; exit 2 ;;
     *) wheel=$(realpath "$1"); shift ;;
   esac
@@ -47,6 +53,9 @@ log "fresh venv in $work/venv, installing $(basename "$wheel")"
 "$py" -m venv "$work/venv"
 "$work/venv/bin/python" -m pip install -q --no-deps --no-index "$wheel"
 
+if [ "$smoke" = 1 ]; then
+  "$work/venv/bin/python" -m pip install -q numpy
+else
 # Links to the test requirements and everything they require, from the deps environment.
 "$deps_py" - "$work/deps" <<'EOF'
 import os
@@ -81,11 +90,12 @@ print(f"linked {len(linked)} entries of {len(seen)} distributions")
 EOF
 site=$("$work/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$work/deps" >"$site/check_wheel_deps.pth"
+fi
 
 # The body runs inside the private mount namespace.
 cat >"$work/inside.sh" <<'EOF'
 set -euo pipefail
-work=$1 expect_failure=$2 root=$3
+work=$1 expect_failure=$2 root=$3 smoke=$4
 empty=$work/empty
 : >"$empty"
 for lib in $(ldconfig -p | awk '/libhwy\.so\.1/ {print $NF}' | sort -u); do
@@ -110,10 +120,26 @@ fi
 "$py" -c 'import ropepool; print("ropepool", ropepool.__version__, "from", ropepool.__file__)'
 "$py" -c 'import ropepool, sys; sys.exit(not ropepool.__file__.startswith(sys.argv[1]))' "$work/venv/"
 "$py" -m ropepool --version
+if [ "$smoke" = 1 ]; then
+  "$py" -m ropepool verify --threads 2
+  "$py" - <<'PY'
+import numpy as np
+import ropepool
+T, H, D, P = 3, 2, 64, 8
+x = np.random.default_rng(0).standard_normal((3, T, H, D)).astype(np.float32)
+k_pool, v_pool = np.zeros((P, H, D), np.float32), np.zeros((P, H, D), np.float32)
+_, k_rot, _, _ = ropepool.rope_pool_fused(
+    x[0], x[1], x[2], np.arange(T, dtype=np.int32), np.array([5, -1, 2], np.int32),
+    k_pool, v_pool, head_dim=D, num_qo_heads=H, num_kv_heads=H, rope_base=10000.0)
+assert (k_pool[5] == k_rot[0]).all() and (v_pool[2] == x[2][2]).all() and not k_pool[0].any()
+print("NumPy call: pool rows written")
+PY
+  exit 0
+fi
 "$py" -m pytest -q -p no:cacheprovider --rootdir "$root" "$root/tests/python"
 EOF
 
 if [ "$(id -u)" = 0 ]; then ns=(unshare --mount --propagation private)
 else ns=(unshare --map-root-user --mount --propagation private); fi
 log "in a private mount namespace with libhwy.so.1 hidden"
-"${ns[@]}" bash "$work/inside.sh" "$work" "$expect_failure" "$ROOT"
+"${ns[@]}" bash "$work/inside.sh" "$work" "$expect_failure" "$ROOT" "$smoke"
