@@ -35,7 +35,7 @@ while (($#)); do
     --python) py=${2:?}; shift 2 ;;
     --expect-import-failure) expect_failure=1; shift ;;
     --smoke) smoke=1; shift ;;
-    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set -e/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "check_wheel.sh: unknown option '$1'" >&2; exit 2 ;;
     *) wheel=$(realpath "$1"); shift ;;
   esac
@@ -145,5 +145,10 @@ EOF
 
 if [ "$(id -u)" = 0 ]; then ns=(unshare --mount --propagation private)
 else ns=(unshare --map-root-user --mount --propagation private); fi
+if ! "${ns[@]}" true 2>/dev/null; then
+  echo "check_wheel.sh: cannot make a private mount namespace here (${ns[*]}): needs root" \
+    "with CAP_SYS_ADMIN, or unprivileged user namespaces" >&2
+  exit 2
+fi
 log "in a private mount namespace with libhwy.so.1 hidden"
 "${ns[@]}" bash "$work/inside.sh" "$work" "$expect_failure" "$ROOT" "$smoke"
