@@ -22,8 +22,8 @@ weights (no download): once with plain RoPE (rope_theta), once with Llama 3.1's
 
 Check: the generated tokens equal generate(do_sample=False)'s, and every logit (the 32
 steps that chose the tokens, and every prompt position) is within TOLERANCE of
-transformers' float32 values, relative to the largest logit of the step (summation order
-differs: packed vs per-sequence attention, SDPA vs eager; ropepool's angles are exact).
+transformers' float32 values, relative to the largest logit of the step (the two sum in
+different orders, and ropepool's angles are exact where transformers' are float32).
 Exit status 0 when everything matches.
 """
 
