@@ -18,14 +18,20 @@
 #      benchmark and the CLI; ctest of everything but the GPU tests (`-LE gpu`)
 #   3. the GPU tests (`ctest -L gpu`: tests/cuda/test_cuda.cu): every kernel path vs the
 #      float64 reference, SPEC §3 slot errors, duplicates, a pool over 4 GiB, CUDA graphs
-#   4. the whole pytest suite (CPU and GPU tests)
-#   5. compute-sanitizer memcheck on the CUDA test (small grid)
+#   4. the whole pytest suite (CPU and GPU tests; with two GPUs also the two-device tests
+#      and a two-rank tensor-parallel run over NCCL), then examples/decode.py on CUDA with
+#      its decode step in a CUDA graph and without
+#   5. compute-sanitizer on the CUDA test (small grid): memcheck, racecheck, initcheck and
+#      synccheck
 #   6. the C++ benchmark (bench/cuda: the kernel alone, with and without PDL) and
 #      bench/gpu_bench.py (ropepool vs PyTorch eager, torch.compile, copy)
 # Logs go to $OUT (or ./gpu-check-logs): at most 8 files. A summary table is printed last.
 # Exit status: 0 when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# NVLink multicast stays off for the multi-GPU tests (NCCL, PyTorch symmetric memory,
+# NVSHMEM): a program that uses it can take a shared host's GPUs out of service.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ROOT=$PWD
 LOGS=${OUT:-$ROOT/gpu-check-logs}
 mkdir -p "$LOGS"
@@ -151,6 +157,12 @@ if [ "$PIP_RC" = 0 ] && [ "$TESTS" != 0 ]; then
   run_step "pytest (whole suite, GPU included)" "$LOGS/pytest.log" 300 \
     bash -c "cd /tmp && $PY -m pytest '$ROOT/tests/python' -q -p no:cacheprovider -rs --rootdir '$ROOT' -c '$ROOT/pyproject.toml'"
   NOTES[-1]="$(grep -E '[0-9]+ (passed|failed)' "$LOGS/pytest.log" | tail -n 1)"
+  for mode in graph no-graph; do
+    extra=(); [ $mode = no-graph ] && extra=(--no-graph)
+    run_step "examples/decode.py --device cuda ($mode)" "$LOGS/pytest.log" 300 \
+      bash -c "cd /tmp && $PY '$ROOT/examples/decode.py' --device cuda ${extra[*]:-}"
+    NOTES[-1]="$(grep -iE 'match|differ' "$LOGS/pytest.log" | tail -n 1 | cut -c1-60)"
+  done
 fi
 
 # --- 5: compute-sanitizer ----------------------------------------------------------------------
@@ -158,9 +170,12 @@ SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer
 if [ "$TESTS" = 0 ]; then
   :
 elif [ -x "$CUDA_TEST" ] && [ -x "$SAN" ]; then
-  run_step "compute-sanitizer memcheck (CUDA test, small grid)" "$LOGS/sanitizer.log" 300 \
-    "$SAN" --tool memcheck --error-exitcode 99 --leak-check no "$CUDA_TEST" --sanitize
-  NOTES[-1]="$(grep -E 'ERROR SUMMARY' "$LOGS/sanitizer.log" | tail -n 1)"
+  for tool in memcheck racecheck initcheck synccheck; do
+    extra=(); [ $tool = memcheck ] && extra=(--leak-check no)
+    run_step "compute-sanitizer $tool (CUDA test, small grid)" "$LOGS/sanitizer.log" 300 \
+      "$SAN" --tool $tool "${extra[@]}" --error-exitcode 99 "$CUDA_TEST" --sanitize
+    NOTES[-1]="$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitizer.log" | tail -n 1)"
+  done
 else
   step "compute-sanitizer" 0 "SKIPPED" "no CUDA test binary or no compute-sanitizer"
 fi
