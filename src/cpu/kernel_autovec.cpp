@@ -162,7 +162,9 @@ ROPEPOOL_INLINE void run_block_any(const CallPlan& plan, const Block& block, flo
   }
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// GCC only: clang 14 rejects "bmi2" in __builtin_cpu_supports and ignores the whole target
+// attribute over "prefer-vector-width"; a clang build (the fuzzer) uses the baseline clone.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define ROPEPOOL_AUTOVEC_CLONES 1
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2,"
                       "prefer-vector-width=512"))) void
