@@ -2,7 +2,8 @@
 # ropepool developer entry point. Does all set-up on a fresh Debian 12 machine (apt packages,
 # a virtual environment in .venv, CMake builds) and then:
 #   ./dev.sh bench   build and run `ropepool bench` (the default workload)
-#   ./dev.sh test    build everything and run every test (C++, C++ under ASan+UBSan,
+#   ./dev.sh test    build everything and run every test (C++, C++ under ASan+UBSan, the
+#                    concurrency suite under TSan, 60 s of libFuzzer (FUZZ_SECONDS),
 #                    `ropepool verify`, the C++ example, Python; the CUDA kernel is
 #                    compiled into the Python package wherever nvcc exists)
 set -euo pipefail
@@ -14,7 +15,8 @@ log() { printf '\n=== %s\n' "$*"; }
 
 apt_deps() {
   local need=()
-  for pkg in cmake g++ libhwy-dev libgtest-dev python3-venv; do
+  # clang-14 + libclang-rt-14-dev (libclang_rt.fuzzer): the libFuzzer step of ./dev.sh test
+  for pkg in cmake g++ libhwy-dev libgtest-dev python3-venv clang-14 libclang-rt-14-dev; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
   done
   if ((${#need[@]})); then
@@ -40,6 +42,31 @@ cmake_build() {  # dir, extra cmake args...
   local dir=$1; shift
   cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
   cmake --build "$dir" -j "$JOBS"
+}
+
+# The concurrency suite (tests/cpp/test_concurrency.cpp) under ThreadSanitizer: only that
+# suite, so the step stays short; any race report fails it.
+test_tsan() {
+  log "concurrency tests under ThreadSanitizer"
+  cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DROPEPOOL_WITH_CUDA=OFF \
+    -DROPEPOOL_SANITIZE=thread -DROPEPOOL_BUILD_CLI=OFF >/dev/null
+  cmake --build build-tsan -j "$JOBS" --target ropepool_test_concurrency
+  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ./build-tsan/tests/cpp/ropepool_test_concurrency
+}
+
+# libFuzzer over rope_pool_fused (tests/fuzz) under ASan+UBSan, for FUZZ_SECONDS (60), from
+# the seed corpus (copied: the run's finds stay in build-fuzz). A crash fails the step and
+# leaves its input in build-fuzz/ (crash-*): replay it with
+# build-fuzz/tests/fuzz/ropepool_fuzz <file>, keep it under tests/fuzz/regressions/.
+test_fuzz() {
+  log "libFuzzer on rope_pool_fused, ${FUZZ_SECONDS:-60} s (ASan+UBSan)"
+  CC=clang-14 CXX=clang++-14 cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DROPEPOOL_WITH_CUDA=OFF -DROPEPOOL_SANITIZE=ON -DROPEPOOL_FUZZ=ON -DROPEPOOL_BUILD_CLI=OFF >/dev/null
+  cmake --build build-fuzz -j "$JOBS" --target ropepool_fuzz
+  rm -rf build-fuzz/corpus && mkdir -p build-fuzz/corpus && cp tests/fuzz/corpus/* build-fuzz/corpus/
+  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    ./build-fuzz/tests/fuzz/ropepool_fuzz -max_total_time="${FUZZ_SECONDS:-60}" -timeout=30 \
+      -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix=build-fuzz/ build-fuzz/corpus
 }
 
 case "${1:-}" in
@@ -69,6 +96,8 @@ case "${1:-}" in
       -DCMAKE_BUILD_TYPE=RelWithDebInfo
     ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
       ctest --test-dir build-asan --output-on-failure -j "$JOBS"
+    test_tsan
+    test_fuzz
     # The package is built with the CUDA backend wherever nvcc exists, so the kernel is
     # compiled (sm_90) on every run even though no GPU is here to run it.
     if command -v nvcc >/dev/null 2>&1; then cuda=ON; else cuda=OFF; fi
