@@ -554,6 +554,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   // Two threads on tiny calls: the pool's parallel path (and its duplicate-slot handling)
   // runs too, not only the single-threaded one.
+  static const bool describe_first = std::getenv("ROPEPOOL_FUZZ_DESCRIBE") != nullptr;
+  if (describe_first) describe(c);  // for triage of a crash a sanitizer reports
   set_cpu_num_threads(c.threads);
   detail::cpu::set_parallel_min_bytes(c.threads > 1 ? 1 : int64_t(1) << 20);
   try {
