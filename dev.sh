@@ -3,7 +3,8 @@
 # a virtual environment in .venv, CMake builds) and then:
 #   ./dev.sh bench   build and run `ropepool bench` (the default workload)
 #   ./dev.sh test    build everything and run every test (C++ with every Highway target,
-#                    C++ under ASan+UBSan, `ropepool verify`, the C++ example, Python; the
+#                    C++ under ASan+UBSan, the concurrency suite under TSan, 60 s of
+#                    libFuzzer (FUZZ_SECONDS), `ropepool verify`, the C++ example, Python; the
 #                    CUDA kernel and its test are compiled wherever nvcc exists)
 # Each step has its own build folder (build-bench, build, build-asan, build-cuda), so no
 # step reconfigures another's. Tests labelled `gpu` need a GPU: built here, run by
@@ -17,7 +18,8 @@ log() { printf '\n=== %s\n' "$*"; }
 
 apt_deps() {
   local need=()
-  for pkg in cmake g++ libhwy-dev libgtest-dev python3-venv; do
+  # clang-14 + libclang-rt-14-dev (libclang_rt.fuzzer): the libFuzzer step of ./dev.sh test
+  for pkg in cmake g++ libhwy-dev libgtest-dev python3-venv clang-14 libclang-rt-14-dev; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
   done
   if ((${#need[@]})); then
@@ -54,6 +56,31 @@ run_ctest() {  # dir, extra ctest args...: every test but the GPU ones; none fou
 # GPU is here to run it.
 if command -v nvcc >/dev/null 2>&1; then cuda=ON; else cuda=OFF; fi
 
+# The concurrency suite (tests/cpp/test_concurrency.cpp) under ThreadSanitizer: only that
+# suite, so the step stays short; any race report fails it.
+test_tsan() {
+  log "concurrency tests under ThreadSanitizer"
+  cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DROPEPOOL_WITH_CUDA=OFF \
+    -DROPEPOOL_SANITIZE=thread -DROPEPOOL_BUILD_CLI=OFF >/dev/null
+  cmake --build build-tsan -j "$JOBS" --target ropepool_test_concurrency
+  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ./build-tsan/tests/cpp/ropepool_test_concurrency
+}
+
+# libFuzzer over rope_pool_fused (tests/fuzz) under ASan+UBSan, for FUZZ_SECONDS (60), from
+# the seed corpus (copied: the run's finds stay in build-fuzz). A crash fails the step and
+# leaves its input in build-fuzz/ (crash-*): replay it with
+# build-fuzz/tests/fuzz/ropepool_fuzz <file>, keep it under tests/fuzz/regressions/.
+test_fuzz() {
+  log "libFuzzer on rope_pool_fused, ${FUZZ_SECONDS:-60} s (ASan+UBSan)"
+  CC=clang-14 CXX=clang++-14 cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DROPEPOOL_WITH_CUDA=OFF -DROPEPOOL_SANITIZE=ON -DROPEPOOL_FUZZ=ON -DROPEPOOL_BUILD_CLI=OFF >/dev/null
+  cmake --build build-fuzz -j "$JOBS" --target ropepool_fuzz
+  rm -rf build-fuzz/corpus && mkdir -p build-fuzz/corpus && cp tests/fuzz/corpus/* build-fuzz/corpus/
+  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    ./build-fuzz/tests/fuzz/ropepool_fuzz -max_total_time="${FUZZ_SECONDS:-60}" -timeout=30 \
+      -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix=build-fuzz/ build-fuzz/corpus
+}
+
 case "${1:-}" in
   bench)
     shift
@@ -80,6 +107,8 @@ case "${1:-}" in
     cmake_build build-asan -DROPEPOOL_WITH_CUDA=OFF -DROPEPOOL_SANITIZE=ON -DROPEPOOL_BUILD_CLI=OFF \
       -DCMAKE_BUILD_TYPE=RelWithDebInfo
     ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 run_ctest build-asan
+    test_tsan
+    test_fuzz
     if [ "$cuda" = ON ]; then
       log "CUDA backend, its test and benchmark: compiled only (sm_90; they run on a GPU)"
       cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DROPEPOOL_WITH_CUDA=ON >/dev/null

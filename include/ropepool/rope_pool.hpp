@@ -75,8 +75,13 @@ void rope_pool_fused(const RopePoolTensors& tensors, const RopePoolParams& param
 void validate_rope_pool(const RopePoolTensors& tensors, const RopePoolParams& params,
                         const CallOptions& options = {});
 
-/// Number of CPU worker threads (default: ROPEPOOL_NUM_THREADS or all hardware threads).
+/// Number of CPU threads a call may use, the calling thread included (default:
+/// ROPEPOOL_NUM_THREADS or all hardware threads). Process-wide; safe to read and set from
+/// any thread, also while calls run (a call uses the value it reads at its start).
 int cpu_num_threads();
+/// n > 0 sets the count, clamped to 4 x the hardware threads (at least 8) so a huge n cannot
+/// start thousands of workers; n <= 0 restores the default. Cheap: workers start lazily, when
+/// a call first uses them, and a call wakes only the workers it uses.
 void set_cpu_num_threads(int n);
 
 }  // namespace ropepool

@@ -23,8 +23,9 @@ cuda_backend: bool = _ropepool.cuda_backend
 def set_num_threads(n: int) -> None:
     """Sets the number of worker threads of the CPU backend (process-wide).
 
-    ``n >= 1`` sets it; ``0`` restores the default (the ``ROPEPOOL_NUM_THREADS``
-    environment variable, else all hardware threads).
+    ``n >= 1`` sets it, clamped to 4 x the hardware threads (at least 8); ``0`` restores
+    the default (the ``ROPEPOOL_NUM_THREADS`` environment variable, else all hardware
+    threads). Safe to call from any thread while calls run; it does not hold the GIL.
     """
     _ropepool.set_num_threads(n)
 

@@ -18,6 +18,10 @@ void init_threads(nb::module_& m) {
               ("set_num_threads: n must be >= 0 (0 restores the default), got " +
                std::to_string(n))
                   .c_str());
+        // The count is an atomic: no GIL needed. Releasing it here lets a thread that is
+        // waiting for the GIL (e.g. coming back from a rope_pool_fused call, which runs
+        // without the GIL) take it now instead of after the interpreter's switch interval.
+        nb::gil_scoped_release release;
         set_cpu_num_threads(n);
       },
       "n"_a,

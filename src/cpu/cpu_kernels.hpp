@@ -57,9 +57,22 @@ void sincos_table(const double* inv_freq, int64_t n, int64_t pos, float scale, f
 /// The Highway kernel (runtime dispatch to the best target this CPU supports).
 void run_block_hwy(const CallPlan& plan, const Block& block);
 
+/// The most threads a call uses: set_cpu_num_threads clamps to it (4 x hardware threads,
+/// at least 8).
+int max_cpu_threads();
+
+/// Counters of the thread pool since the process started (for tests): workers started,
+/// and worker wake-ups (one per worker a parallel call uses).
+struct ThreadPoolStats {
+  int64_t workers_started = 0;
+  int64_t worker_wakeups = 0;
+};
+ThreadPoolStats thread_pool_stats();
+
 /// Runs body(ctx, item) for every item in [0, num_items) on up to num_threads threads, the
 /// caller included; returns when all items are done. Falls back to the calling thread alone
 /// when another call is using the pool.
+/// Wakes only the num_threads - 1 workers it uses.
 void parallel_for(int num_threads, int64_t num_items, void (*body)(const void* ctx, int64_t item),
                   const void* ctx);
 
