@@ -345,6 +345,15 @@ def main(argv=None):
     copy_bps = 2 * (1 << 30) / copy_seconds(1 << 30, reps=12, warmup=2)
     print(f"device-to-device copy (1 GiB): {copy_bps / 1e9:.0f} GB/s counting read + write", flush=True)
 
+    # The floor of each mode: one empty kernel (a zero-cycle spin) timed the same way.
+    floor = {"call": statistics.median(GpuTimer()(lambda: torch.cuda._sleep(0))
+                                       for _ in range(args.samples)) * 1e6,
+             "b2b": statistics.median(
+                 GpuTimer()(lambda: [torch.cuda._sleep(0) for _ in range(CALLS_PER_BATCH)])
+                 for _ in range(args.samples)) * 1e6 / CALLS_PER_BATCH}
+    print("empty kernel (the floor): " + ", ".join(f"{m} {t:.2f} us" for m, t in floor.items()),
+          flush=True)
+
     compiled = None
     if not args.no_compile:
         compiled = torch.compile(torch_rope_pool, fullgraph=True, dynamic=True)
@@ -412,7 +421,7 @@ def main(argv=None):
         print(json.dumps(layout_rows[-1]), flush=True)
 
     result = dict(device=props.name, torch=torch.__version__, copy_GBps=copy_bps / 1e9,
-                  l2_bytes=l2, dtype=args.dtype, num_qo_heads=args.num_qo_heads,
+                  floor_us=floor, l2_bytes=l2, dtype=args.dtype, num_qo_heads=args.num_qo_heads,
                   num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                   rope_base=args.rope_base, pool_rows=args.pool_rows, samples=args.samples,
                   rows=rows, problems=problems_all, ropepool=have_ropepool, layouts=layout_rows)
@@ -436,7 +445,8 @@ def print_table(r):
           f"Hk {r['num_kv_heads']}, D {r['head_dim']}; pool {r['pool_rows']} rows; "
           f"copy ceiling {r['copy_GBps']:.0f} GB/s (read + write)")
     print(f"GPU us per call, cold inputs (> 4x L2), random slots, median of {r['samples']}; "
-          "call = one call between events, b2b = batches of 20, graph = graphs of 20 calls")
+          "call = one call between events, b2b = batches of 20, graph = graphs of 20 calls; "
+          "an empty kernel takes " + ", ".join(f"{t:.2f} us ({m})" for m, t in r["floor_us"].items()))
     names = [n for n in ("ropepool", "eager", "compile") if f"{n}_call_us" in rows[0]]
     head = f"{'T':>6}"
     for n in names:
