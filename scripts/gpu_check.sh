@@ -6,7 +6,7 @@
 #   GPU_CHECK_TESTS=0 bash scripts/gpu_check.sh   # builds and benchmarks only
 #
 # Expects: nvcc, python3 with torch (CUDA), nanobind, scikit-build-core, pytest, cmake and
-# ninja already installed; no network (pip runs with --no-build-isolation --no-deps).
+# ninja already installed; downloads nothing (pip runs with --no-build-isolation --no-deps).
 # Highway and GoogleTest come from Debian packages in .deb/ (libhwy1, libhwy-dev,
 # libgtest-dev), unpacked with `dpkg -x` into /tmp/ropepool-debs, unless they are installed.
 # The test oracle (transformers 4.57.6 and the huggingface_hub/tokenizers it accepts) from
@@ -87,7 +87,7 @@ fi
 # --- the pinned test oracle from .whl ----------------------------------------------------------
 # tests/python/test_rope_variants.py compares against transformers 4.57.6 (requirements-dev.txt);
 # a GPU image with another major version skips those tests unless the pinned wheels travel in
-# .whl/ (README, "On the GPU machine"). They go to a private path, first on PYTHONPATH.
+# .whl/ (README, "On a GPU"). They go to a private path, first on PYTHONPATH.
 if ls .whl/*.whl >/dev/null 2>&1; then
   if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/ropepool-site .whl/*.whl >>"$LOGS/summary.txt" 2>&1; then

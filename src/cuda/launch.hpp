@@ -9,8 +9,8 @@
 
 namespace ropepool::detail::cuda_launch {
 
-/// How one call is launched (one CTA per token). Every field 0 means "let the heuristic
-/// choose".
+/// How one call is launched (one CTA per token). The defaults (numeric fields 0,
+/// `dedupe_rows` true) are what a library call uses: the heuristic chooses the shape.
 struct LaunchConfig {
   int warps_per_cta = 0;  ///< 1..8
   /// Programmatic dependent launch: 1 on, -1 off, 0 default (on).

@@ -222,9 +222,6 @@ struct HeadOps {
     vecs = stride_of(vecs_per_head);
   }
 
-  __device__ __forceinline__ int q_chunks(int tokens) const {
-    return (tokens * q_units_per_token + 32 * kQUnits - 1) / (32 * kQUnits);
-  }
   __device__ __forceinline__ int kv_rounds() const {
     const int rk = (k_units + 32 * kKUnits - 1) / (32 * kKUnits);
     const int rv = (v_vecs + 32 * kVVecs - 1) / (32 * kVVecs);
