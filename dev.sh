@@ -4,8 +4,9 @@
 #   ./dev.sh bench   build and run `ropepool bench` (the default workload)
 #   ./dev.sh test    build everything and run every test (C++ with every Highway target,
 #                    C++ under ASan+UBSan, the concurrency suite under TSan, 60 s of
-#                    libFuzzer (FUZZ_SECONDS), `ropepool verify`, the C++ example, Python; the
-#                    CUDA kernel and its test are compiled wherever nvcc exists)
+#                    libFuzzer (FUZZ_SECONDS), `ropepool verify`, the C++ example, Python, a
+#                    manylinux wheel tested with the system's Highway hidden; the CUDA
+#                    kernel and its test are compiled wherever nvcc exists)
 # Each step has its own build folder (build-bench, build, build-asan, build-cuda), so no
 # step reconfigures another's. Tests labelled `gpu` need a GPU: built here, run by
 # scripts/gpu_check.sh.
@@ -118,6 +119,12 @@ case "${1:-}" in
     ROPEPOOL_WITH_CUDA=$cuda CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
       .venv/bin/python -m pip install -q --no-build-isolation --no-deps .
     .venv/bin/python -m pytest tests/python -q
+    log "manylinux wheel (CPU backend): built, then tested in a fresh venv with libhwy hidden"
+    rm -rf build-wheel/dist
+    JOBS=$JOBS scripts/build_wheels.sh --cuda off --out build-wheel/dist
+    scripts/check_wheel.sh build-wheel/dist/ropepool-*-manylinux_*.whl
+    # the negative control: the same build before auditwheel repair must not import there
+    scripts/check_wheel.sh --expect-import-failure build-wheel/raw-*-cudaOFF/ropepool-*.whl
     ;;
   *)
     echo "usage: ./dev.sh bench [ropepool bench options] | ./dev.sh test" >&2
