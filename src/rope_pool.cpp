@@ -147,10 +147,10 @@ struct Checker {
   // What the backend can run (it only asserts these), then SPEC §1's angle limit.
   void limits(const RopeSchedule& schedule) const {
     const detail::BackendLimits& b = backend();
-    const std::string on = std::string(" on the ") + b.name + " backend";
+    auto on = [&b] { return std::string(" on the ") + b.name + " backend"; };
     if (b.max_rotary_dim && schedule.rotary_dim > b.max_rotary_dim)
       fail("rope_pool_fused: rotary_dim = " + std::to_string(schedule.rotary_dim) +
-               " exceeds the limit of " + std::to_string(b.max_rotary_dim) + on,
+               " exceeds the limit of " + std::to_string(b.max_rotary_dim) + on(),
            "rotate the first " + std::to_string(b.max_rotary_dim) +
                " elements with rotary_dim, or use the CPU backend");
     if (b.max_heads_x_head_dim)
@@ -158,13 +158,13 @@ struct Checker {
         if (heads * p.head_dim > b.max_heads_x_head_dim)
           fail(std::string("rope_pool_fused: ") + kw + " * head_dim = " +
                std::to_string(heads * p.head_dim) + " exceeds the limit of " +
-               std::to_string(b.max_heads_x_head_dim) + on);
+               std::to_string(b.max_heads_x_head_dim) + on());
     if (b.max_device_index >= 0 && t.q.device.index > b.max_device_index)
       fail("rope_pool_fused: the device index = " + std::to_string(t.q.device.index) +
-           " exceeds the limit of " + std::to_string(b.max_device_index) + on);
+           " exceeds the limit of " + std::to_string(b.max_device_index) + on());
     if (b.max_tokens && t.q.shape[0] > b.max_tokens)
       fail("rope_pool_fused: num_tokens = " + std::to_string(t.q.shape[0]) +
-               " exceeds the limit of " + std::to_string(b.max_tokens) + on,
+               " exceeds the limit of " + std::to_string(b.max_tokens) + on(),
            "split the call");
     angles(schedule, b);
   }
@@ -177,14 +177,15 @@ struct Checker {
       if (std::fabs(schedule.inv_freq[i]) > max_f) max_f = std::fabs(schedule.inv_freq[i]), arg_f = i;
     const int64_t T = t.q.shape[0];
     if (max_f == 0 || T == 0) return;
-    const std::string limit = "the limit of 2^32 = 4294967296 rad that the angle reduction handles";
-    const std::string freq = "inv_freq[" + std::to_string(arg_f) + "] = " + num(max_f);
+    // The message parts are built only when a call fails: this runs on every call.
+    const char* limit = "the limit of 2^32 = 4294967296 rad that the angle reduction handles";
+    auto freq = [&] { return "inv_freq[" + std::to_string(arg_f) + "] = " + num(max_f); };
     const char* hint = "check rope_base, rope_scaling or inv_freq (inverse frequencies are "
                        "radians per position, at most 1 for the standard schedules)";
     if (b.assumed_max_position > 0) {
       // Positions in device memory: the bound their range allows (no synchronisation).
       if (b.assumed_max_position * max_f > b.max_angle)
-        fail("rope_pool_fused: positions up to 2^31 in magnitude times " + freq +
+        fail("rope_pool_fused: positions up to 2^31 in magnitude times " + freq() +
                  " give angles up to " + num(b.assumed_max_position * max_f) + " rad, beyond " +
                  limit + " on the " + b.name + " backend",
              hint);
@@ -197,7 +198,7 @@ struct Checker {
       const double theta = std::fabs(double(pos[i])) * max_f;
       if (theta > b.max_angle)
         fail("rope_pool_fused: positions[" + std::to_string(i) + "] = " +
-                 std::to_string(pos[i]) + " times " + freq + " is an angle of " + num(theta) +
+                 std::to_string(pos[i]) + " times " + freq() + " is an angle of " + num(theta) +
                  " rad, beyond " + limit,
              hint);
     }
