@@ -1,7 +1,9 @@
 // Benchmark of the CUDA kernel alone (no Python): the default workload (Llama-3-8B: bf16,
-// Hq 32, Hk 8, D 128) at T = 1..65536 (or --tokens), GPU time per call on a plain stream
-// (host enqueueing hidden behind a spin kernel) and under CUDA-graph replay, with and
-// without PDL and row deduplication; the device-to-device copy as the ceiling.
+// Hq 32, Hk 8, D 128) at T = 1..65536 (or --tokens), with the inputs of bench/gpu_bench.py
+// (cold: input sets over 4x the L2; random slots in a 262144-row cache); GPU time per call
+// back-to-back on a plain stream (host enqueueing hidden behind a spin kernel) and under
+// CUDA-graph replay, with and without PDL and row deduplication; medians of 60; the
+// device-to-device copy as the ceiling.
 //
 //   ropepool_bench_cuda [--sweep] [--tokens T1,T2,..] [--json FILE]
 //
@@ -35,64 +37,82 @@ std::string g_json;
 
 // ---- benchmark ---------------------------------------------------------------------------------
 
-struct BenchSet {
-  std::unique_ptr<DeviceBuffer> q, k, v, pos, slots, q_out, k_out;
-};
+/// Fills n bf16 values uniform in [-2, 2) from a hash of (seed, index): on the device, so
+/// gigabytes of cold input sets take milliseconds to make.
+__global__ void fill_bf16(uint16_t* out, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    h ^= h >> 31, h *= 0xBF58476D1CE4E5B9ull, h ^= h >> 29;
+    const float u = float(h >> 40) * (1.0f / 16777216.0f) * 4.0f - 2.0f;
+    out[i] = uint16_t(__float_as_uint(u) >> 16);  // truncation: any bf16 in range will do
+  }
+}
 
+/// The benchmark's inputs, as bench/gpu_bench.py makes them (docs/PERFORMANCE.md, Method):
+/// N input sets for T tokens, N chosen so that one pass over them exceeds 4x the L2 (at
+/// least 20, for graphs of 20 calls on 20 different sets, where graphs are timed); set i is
+/// rows [iT, (i+1)T) of one buffer per argument. Positions random below 2^17; slots T
+/// distinct rows of a 262144-row cache, consecutive windows of random permutations.
 struct Workload {
-  int64_t T, P, Hq = 32, Hk = 8, D = 128;
+  int64_t T, P = 262144, Hq = 32, Hk = 8, D = 128, n_sets = 0;
   DType dtype = DType::BFloat16;
-  std::vector<BenchSet> sets;
-  std::unique_ptr<DeviceBuffer> k_pool, v_pool;
+  std::unique_ptr<DeviceBuffer> q, k, v, pos, slots, q_out, k_out, k_pool, v_pool;
   RopePoolParams params;
   std::vector<double> inv_freq;
   double bytes() const {
     return double(T) * D * 2 * (2 * Hq + 5 * Hk) + 2.0 * 4 * T;  // + int32 positions, slots
   }
-  Workload(int64_t tokens, Rng& rng) : T(tokens) {
-    P = std::max<int64_t>(65536, 4 * T);
+  Workload(int64_t tokens, bool with_graphs, Rng& rng) : T(tokens) {
+    P = std::max<int64_t>(P, T);
     params.head_dim = D, params.num_qo_heads = Hq, params.num_kv_heads = Hk, params.rope_base = 500000;
-    // Enough sets that one round does not fit the 60 MB L2 (at most 64 sets).
-    const double per_set = bytes();
-    const int n = int(std::clamp(std::ceil(256e6 / per_set), 2.0, 64.0));
-    k_pool = std::make_unique<DeviceBuffer>(size_t(P * Hk * D) * 2);
-    v_pool = std::make_unique<DeviceBuffer>(size_t(P * Hk * D) * 2);
-    ROPEPOOL_CUDA_OK(cudaMemset(k_pool->ptr, 0, k_pool->bytes));
-    ROPEPOOL_CUDA_OK(cudaMemset(v_pool->ptr, 0, v_pool->bytes));
-    std::vector<uint16_t> h;
-    std::uniform_real_distribution<float> u(-2.f, 2.f);
-    for (int i = 0; i < n; ++i) {
-      BenchSet s;
-      auto filled = [&](int64_t elems) {
-        auto b = std::make_unique<DeviceBuffer>(size_t(elems) * 2);
-        h.resize(size_t(elems));
-        for (auto& x : h) x = float_to_bf16(u(rng));
-        ROPEPOOL_CUDA_OK(cudaMemcpy(b->ptr, h.data(), b->bytes, cudaMemcpyHostToDevice));
-        return b;
-      };
-      s.q = filled(T * Hq * D), s.k = filled(T * Hk * D), s.v = filled(T * Hk * D);
-      s.q_out = std::make_unique<DeviceBuffer>(size_t(T * Hq * D) * 2);
-      s.k_out = std::make_unique<DeviceBuffer>(size_t(T * Hk * D) * 2);
-      std::vector<int32_t> pos(T), slots(T);
-      // Decode-like positions up to 128K; slots a random permutation window of the pool.
-      for (int64_t t = 0; t < T; ++t) pos[t] = int32_t(rng() % 131072), slots[t] = int32_t((t * 7919 + i * 13) % P);
-      s.pos = std::make_unique<DeviceBuffer>(size_t(T) * 4);
-      s.slots = std::make_unique<DeviceBuffer>(size_t(T) * 4);
-      ROPEPOOL_CUDA_OK(cudaMemcpy(s.pos->ptr, pos.data(), size_t(T) * 4, cudaMemcpyHostToDevice));
-      ROPEPOOL_CUDA_OK(cudaMemcpy(s.slots->ptr, slots.data(), size_t(T) * 4, cudaMemcpyHostToDevice));
-      sets.push_back(std::move(s));
+    cudaDeviceProp prop{};
+    ROPEPOOL_CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+    const double set_bytes = double(T) * D * 2 * (Hq + 2 * Hk) + 2.0 * 4 * T;
+    n_sets = std::max<int64_t>(with_graphs ? 20 : 2,
+                               int64_t(std::ceil(4.0 * prop.l2CacheSize / set_bytes)));
+    const int64_t rows = n_sets * T;
+    auto filled = [&](int64_t elems) {
+      auto b = std::make_unique<DeviceBuffer>(size_t(elems) * 2);
+      fill_bf16<<<1024, 256>>>(static_cast<uint16_t*>(b->ptr), size_t(elems), rng());
+      ROPEPOOL_CUDA_OK(cudaGetLastError());
+      return b;
+    };
+    q = filled(rows * Hq * D), k = filled(rows * Hk * D), v = filled(rows * Hk * D);
+    k_pool = filled(P * Hk * D), v_pool = filled(P * Hk * D);
+    q_out = std::make_unique<DeviceBuffer>(size_t(rows * Hq * D) * 2);
+    k_out = std::make_unique<DeviceBuffer>(size_t(rows * Hk * D) * 2);
+    std::vector<int32_t> h_pos(static_cast<size_t>(rows)), h_slots(static_cast<size_t>(rows)),
+        perm(static_cast<size_t>(P));
+    for (auto& x : h_pos) x = int32_t(rng() % 131072);
+    const int64_t per_perm = P / T;
+    for (int64_t set = 0; set < n_sets; ++set) {
+      if (set % per_perm == 0) {
+        for (int64_t r = 0; r < P; ++r) perm[size_t(r)] = int32_t(r);
+        std::shuffle(perm.begin(), perm.end(), rng);
+      }
+      std::copy_n(perm.begin() + (set % per_perm) * T, T, h_slots.begin() + set * T);
     }
+    pos = std::make_unique<DeviceBuffer>(size_t(rows) * 4);
+    slots = std::make_unique<DeviceBuffer>(size_t(rows) * 4);
+    ROPEPOOL_CUDA_OK(cudaMemcpy(pos->ptr, h_pos.data(), pos->bytes, cudaMemcpyHostToDevice));
+    ROPEPOOL_CUDA_OK(cudaMemcpy(slots->ptr, h_slots.data(), slots->bytes, cudaMemcpyHostToDevice));
+    ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
     inv_freq = make_rope_schedule(params).inv_freq;
   }
-  detail::RopePoolProblem problem(int i, cudaStream_t stream) const {
-    const BenchSet& s = sets[size_t(i) % sets.size()];
+  detail::RopePoolProblem problem(int64_t i, cudaStream_t stream) const {
+    const int64_t row = (i % n_sets) * T;
+    auto at = [&](const std::unique_ptr<DeviceBuffer>& b, int64_t heads, size_t elem) {
+      return b->bytes_at(size_t(row * heads * D) * elem);
+    };
     detail::RopePoolProblem p;
     p.dtype = dtype, p.num_tokens = T, p.num_qo_heads = Hq, p.num_kv_heads = Hk, p.head_dim = D;
     p.rotary_dim = D, p.pool_size = P;
-    p.q = {s.q->ptr, Hq * D, D}, p.k = {s.k->ptr, Hk * D, D}, p.v = {s.v->ptr, Hk * D, D};
-    p.q_out = {s.q_out->ptr, Hq * D, D}, p.k_out = {s.k_out->ptr, Hk * D, D};
+    p.q = {at(q, Hq, 2), Hq * D, D}, p.k = {at(k, Hk, 2), Hk * D, D}, p.v = {at(v, Hk, 2), Hk * D, D};
+    p.q_out = {at(q_out, Hq, 2), Hq * D, D}, p.k_out = {at(k_out, Hk, 2), Hk * D, D};
     p.k_pool = {k_pool->ptr, Hk * D, D}, p.v_pool = {v_pool->ptr, Hk * D, D};
-    p.positions = {s.pos->ptr, 1, false}, p.slots = {s.slots->ptr, 1, false};
+    p.positions = {pos->bytes_at(size_t(row) * 4), 1, false};
+    p.slots = {slots->bytes_at(size_t(row) * 4), 1, false};
     p.inv_freq = inv_freq.data();
     p.stream = stream;
     return p;
@@ -149,8 +169,8 @@ double timed_on_gpu(cudaStream_t s, long long& spin_ns, F&& enqueue) {
 /// Median GPU seconds per call over `batches` batches of `per_batch` back-to-back calls,
 /// inputs rotating among the workload's sets.
 double time_stream(const Workload& w, const detail::cuda_launch::LaunchConfig& cfg, cudaStream_t s,
-                   int batches = 15, int per_batch = 20) {
-  int i = 0;
+                   int batches = 60, int per_batch = 20) {
+  int64_t i = 0;
   for (int k = 0; k < 5; ++k) detail::cuda_launch::rope_pool_cuda_with(w.problem(i++, s), cfg);
   long long spin_ns = 200000;
   std::vector<double> t;
@@ -162,23 +182,34 @@ double time_stream(const Workload& w, const detail::cuda_launch::LaunchConfig& c
   return median(t);
 }
 
+/// Median GPU seconds per call of CUDA graphs of `calls` calls on `calls` different input
+/// sets: as many graphs as the cold rotation needs, replayed in turn.
 double time_graph(const Workload& w, cudaStream_t s, const detail::cuda_launch::LaunchConfig& cfg = {},
-                  int calls = 20, int reps = 30) {
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
+                  int calls = 20, int reps = 60) {
+  const int64_t n_graphs = std::max<int64_t>(1, w.n_sets / calls);
+  std::vector<cudaGraphExec_t> execs;
   detail::cuda_launch::rope_pool_cuda_with(w.problem(0, s), cfg);
   ROPEPOOL_CUDA_OK(cudaStreamSynchronize(s));
-  ROPEPOOL_CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  for (int k = 0; k < calls; ++k) detail::cuda_launch::rope_pool_cuda_with(w.problem(k, s), cfg);
-  ROPEPOOL_CUDA_OK(cudaStreamEndCapture(s, &g));
-  ROPEPOOL_CUDA_OK(cudaGraphInstantiate(&ge, g, 0));
-  for (int k = 0; k < 3; ++k) ROPEPOOL_CUDA_OK(cudaGraphLaunch(ge, s));
+  for (int64_t gi = 0; gi < n_graphs; ++gi) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    ROPEPOOL_CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    for (int k = 0; k < calls; ++k)
+      detail::cuda_launch::rope_pool_cuda_with(w.problem(gi * calls + k, s), cfg);
+    ROPEPOOL_CUDA_OK(cudaStreamEndCapture(s, &g));
+    ROPEPOOL_CUDA_OK(cudaGraphInstantiate(&ge, g, 0));
+    cudaGraphDestroy(g);
+    execs.push_back(ge);
+  }
+  for (int64_t k = 0; k < std::min<int64_t>(3, n_graphs); ++k)
+    ROPEPOOL_CUDA_OK(cudaGraphLaunch(execs[size_t(k)], s));
   long long spin_ns = 50000;
   std::vector<double> t;
   for (int r = 0; r < reps; ++r)
-    t.push_back(timed_on_gpu(s, spin_ns, [&] { ROPEPOOL_CUDA_OK(cudaGraphLaunch(ge, s)); }) / calls);
-  cudaGraphExecDestroy(ge);
-  cudaGraphDestroy(g);
+    t.push_back(timed_on_gpu(s, spin_ns, [&] {
+                  ROPEPOOL_CUDA_OK(cudaGraphLaunch(execs[size_t((3 + r) % n_graphs)], s));
+                }) / calls);
+  for (cudaGraphExec_t ge : execs) cudaGraphExecDestroy(ge);
   return median(t);
 }
 
@@ -245,7 +276,7 @@ void bench(bool sweep, const std::vector<int64_t>& tokens, Rng& rng) {
               "no-dedup us", "plan", "PDL off: us | graph us; best sweep (us)");
   bool first_row = true;
   for (int64_t T : tokens) {
-    Workload w(T, rng);
+    Workload w(T, T <= 256, rng);
     detail::cuda_launch::LaunchConfig def;
     const auto plan = detail::cuda_launch::plan_launch(w.problem(0, s), def);
     const double t = time_stream(w, def, s);
