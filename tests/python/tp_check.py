@@ -44,9 +44,8 @@ def gather_heads(x, world):
 
 
 def main():
-    for name in ("NCCL_NVLS_ENABLE",):
-        if os.environ.get(name) != "0":
-            sys.exit(f"tp_check: {name}=0 is required (NVLink multicast stays off)")
+    if os.environ.get("NCCL_NVLS_ENABLE") != "0":
+        sys.exit("tp_check: NCCL_NVLS_ENABLE=0 is required (NVLink multicast stays off)")
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank)
