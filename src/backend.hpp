@@ -16,6 +16,26 @@ struct Rows {
   int64_t head_stride = 0;  // between heads
 };
 
+/// A KV-cache pool (SPEC §6): slot s lives in page s / page_size, row s % page_size, at
+/// data + page * page_stride + row * row_stride + head * head_stride (strides in elements of
+/// the pool's dtype). A 3-D [P, Hk, D] pool is page_size 1 (page_stride = its slot stride,
+/// row_stride 0); kv_layout "NHD" [pages, page_size, Hk, D] and "HND"
+/// [pages, Hk, page_size, D] only differ in which strides are which.
+struct PoolRows {
+  void* data = nullptr;
+  int64_t page_stride = 0;
+  int64_t row_stride = 0;
+  int64_t head_stride = 0;
+};
+
+/// A quantisation scale (SPEC §6): stored = e4m3(x / scale). `ptr`, when set, points to one
+/// float32 in the tensors' memory (device memory on CUDA), read when the kernel runs, so a
+/// CUDA graph sees the current value; otherwise `value` is used.
+struct Scale {
+  float value = 1.0f;
+  const float* ptr = nullptr;
+};
+
 struct Index {
   const void* data = nullptr;
   int64_t stride = 1;
@@ -27,15 +47,20 @@ struct Index {
 };
 
 struct RopePoolProblem {
-  DType dtype = DType::Float32;
+  DType dtype = DType::Float32;        // q, k, v and k_out
+  DType pool_dtype = DType::Float32;   // k_pool, v_pool: dtype, or Float8E4M3FN (k_scale, v_scale)
+  DType q_out_dtype = DType::Float32;  // q_out: dtype, or Float8E4M3FN (q_scale)
   int64_t num_tokens = 0;
   int64_t num_qo_heads = 0;
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
   int64_t rotary_dim = 0;   // R <= head_dim; elements >= R are copied
   bool interleaved = false; // GPT-J pairs (2i, 2i+1) instead of NeoX (i, i + R/2)
-  int64_t pool_size = 0;
-  Rows q, k, v, q_out, k_out, k_pool, v_pool;
+  int64_t pool_size = 0;  // pages * page_size: the slot range of SPEC §3
+  int64_t page_size = 1;  // 1 for 3-D pools
+  Rows q, k, v, q_out, k_out;
+  PoolRows k_pool, v_pool;
+  Scale k_scale, v_scale, q_scale;  // used only where the dtype above is Float8E4M3FN
   Index positions, slots;
   const double* inv_freq = nullptr;  // R/2 entries, host memory
   double attention_scaling = 1.0;

@@ -344,6 +344,7 @@ struct Checker {
 };
 
 detail::Rows rows(const TensorView& v) { return {v.data, v.strides[0], v.strides[1]}; }
+detail::PoolRows pool_rows(const TensorView& v) { return {v.data, v.strides[0], 0, v.strides[1]}; }
 detail::Index index(const TensorView& v) {
   return {v.data, v.strides[0], v.dtype == DType::Int64};
 }
@@ -372,8 +373,10 @@ Checked check(const RopePoolTensors& t, const RopePoolParams& p, const CallOptio
   problem.v = rows(t.v);
   problem.q_out = rows(t.q_out);
   problem.k_out = rows(t.k_out);
-  problem.k_pool = rows(t.k_pool);
-  problem.v_pool = rows(t.v_pool);
+  problem.pool_dtype = t.k_pool.dtype;
+  problem.q_out_dtype = t.q_out.dtype;
+  problem.k_pool = pool_rows(t.k_pool);
+  problem.v_pool = pool_rows(t.v_pool);
   problem.positions = index(t.positions);
   problem.slots = index(t.slots);
   problem.check_slots = o.check_slots;

@@ -110,7 +110,7 @@ struct Workload {
     p.rotary_dim = D, p.pool_size = P;
     p.q = {at(q, Hq, 2), Hq * D, D}, p.k = {at(k, Hk, 2), Hk * D, D}, p.v = {at(v, Hk, 2), Hk * D, D};
     p.q_out = {at(q_out, Hq, 2), Hq * D, D}, p.k_out = {at(k_out, Hk, 2), Hk * D, D};
-    p.k_pool = {k_pool->ptr, Hk * D, D}, p.v_pool = {v_pool->ptr, Hk * D, D};
+    p.k_pool = {k_pool->ptr, Hk * D, 0, D}, p.v_pool = {v_pool->ptr, Hk * D, 0, D};
     p.positions = {pos->bytes_at(size_t(row) * 4), 1, false};
     p.slots = {slots->bytes_at(size_t(row) * 4), 1, false};
     p.inv_freq = inv_freq.data();

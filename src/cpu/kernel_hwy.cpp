@@ -446,6 +446,9 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
   auto row = [](const Rows& r, int64_t index, int64_t head) {
     return static_cast<T*>(r.data) + index * r.row_stride + head * r.head_stride;
   };
+  auto pool_row = [](const PoolRows& r, int64_t slot, int64_t head) {  // 3-D pools: page_size 1
+    return static_cast<T*>(r.data) + slot * r.page_stride + head * r.head_stride;
+  };
   for (int64_t t = block.token_begin; t < block.token_end; ++t) {
     SinCosTable(inv_freq, n, p.positions[t], scale, cos_t, sin_t);
     if (dup_tables) {
@@ -480,9 +483,9 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
         continue;
       }
       const int64_t kv = h - Hq;
-      rotate(row(p.k, t, kv), row(p.k_out, t, kv), slot >= 0 ? row(p.k_pool, slot, kv) : nullptr);
+      rotate(row(p.k, t, kv), row(p.k_out, t, kv), slot >= 0 ? pool_row(p.k_pool, slot, kv) : nullptr);
       if (slot >= 0)
-        CopyBytes(row(p.v_pool, slot, kv), row(p.v, t, kv), size_t(D) * sizeof(T), stream);
+        CopyBytes(pool_row(p.v_pool, slot, kv), row(p.v, t, kv), size_t(D) * sizeof(T), stream);
     }
   }
   // Non-temporal stores are weakly ordered: fence before this thread reports completion.

@@ -171,6 +171,10 @@ bool rows_aligned16(const Rows& r, int64_t rows, int64_t heads, size_t es) {
          (heads <= 1 || (r.head_stride * int64_t(es)) % 16 == 0);
 }
 
+bool rows_aligned16(const PoolRows& r, int64_t rows, int64_t heads, size_t es) {  // page_size 1
+  return rows_aligned16(Rows{r.data, r.page_stride, r.head_stride}, rows, heads, es);
+}
+
 bool is_tuned_head_dim(int64_t d) { return d == 64 || d == 96 || d == 128 || d == 256; }
 
 }  // namespace
@@ -259,8 +263,8 @@ KernelParams<kFreqCap> make_params(const RopePoolProblem& p, const LaunchPlan& p
   k.v_row = p.v.row_stride, k.v_head = p.v.head_stride;
   k.qo_row = p.q_out.row_stride, k.qo_head = p.q_out.head_stride;
   k.ko_row = p.k_out.row_stride, k.ko_head = p.k_out.head_stride;
-  k.kp_row = p.k_pool.row_stride, k.kp_head = p.k_pool.head_stride;
-  k.vp_row = p.v_pool.row_stride, k.vp_head = p.v_pool.head_stride;
+  k.kp_row = p.k_pool.page_stride, k.kp_head = p.k_pool.head_stride;  // 3-D pools: page_size 1
+  k.vp_row = p.v_pool.page_stride, k.vp_head = p.v_pool.head_stride;
   k.positions = p.positions.data, k.positions_stride = p.positions.stride;
   k.positions_int64 = p.positions.is_int64;
   k.slots = p.slots.data, k.slots_stride = p.slots.stride, k.slots_int64 = p.slots.is_int64;

@@ -55,6 +55,9 @@ void scalar_run(const detail::RopePoolProblem& p) {
   auto at = [](const detail::Rows& r, int64_t row, int64_t h) {
     return static_cast<T*>(r.data) + row * r.row_stride + h * r.head_stride;
   };
+  auto at_pool = [](const detail::PoolRows& r, int64_t slot, int64_t h) {  // page_size 1
+    return static_cast<T*>(r.data) + slot * r.page_stride + h * r.head_stride;
+  };
   auto rot = [&](const T* x, T* out, T* out2) {
     for (int64_t i = 0; i < half; ++i) {
       const int64_t ia = p.interleaved ? 2 * i : i, ib = p.interleaved ? 2 * i + 1 : i + half;
@@ -79,8 +82,8 @@ void scalar_run(const detail::RopePoolProblem& p) {
     const int64_t slot = p.slots[t];
     for (int64_t h = 0; h < p.num_qo_heads; ++h) rot(at(p.q, t, h), at(p.q_out, t, h), nullptr);
     for (int64_t h = 0; h < p.num_kv_heads; ++h) {
-      rot(at(p.k, t, h), at(p.k_out, t, h), slot >= 0 ? at(p.k_pool, slot, h) : nullptr);
-      if (slot >= 0) std::memcpy(at(p.v_pool, slot, h), at(p.v, t, h), size_t(D) * sizeof(T));
+      rot(at(p.k, t, h), at(p.k_out, t, h), slot >= 0 ? at_pool(p.k_pool, slot, h) : nullptr);
+      if (slot >= 0) std::memcpy(at_pool(p.v_pool, slot, h), at(p.v, t, h), size_t(D) * sizeof(T));
     }
   }
 }
