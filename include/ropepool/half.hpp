@@ -1,7 +1,9 @@
-// float <-> float16 / bfloat16 conversion, round-to-nearest-even, NaN preserved.
+// float <-> float16 / bfloat16 / float8 e4m3 conversion, round-to-nearest-even, NaN
+// preserved.
 // Used by the reference, the tests and the CLI; the kernels have vector versions.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -59,6 +61,36 @@ inline uint16_t float_to_half(float f) {
   uint32_t v = abs - 0x38000000u;  // exponent 127 -> 15 bias
   v += 0xfffu + ((v >> 13) & 1u);
   return uint16_t(sign | (v >> 13));
+}
+
+/// float8 e4m3fn (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinities;
+/// NaN = S.1111.111; largest finite 448) to float: exact.
+inline float e4m3_to_float(uint8_t b) {
+  const int exp = (b >> 3) & 15, man = b & 7;
+  float v;
+  if (exp == 15 && man == 7) v = NAN;
+  else if (exp == 0) v = std::ldexp(float(man), -9);  // subnormal: man * 2^-9
+  else v = std::ldexp(float(8 + man), exp - 10);      // (1 + man/8) * 2^(exp-7)
+  return (b & 0x80) ? -v : v;
+}
+
+/// SPEC §6's rule for float -> e4m3fn: round to nearest even; magnitudes beyond 448,
+/// infinities included, saturate to +-448; NaN stays NaN (sign kept). (torch's conversion
+/// differs: it turns magnitudes that round beyond 448 into NaN.)
+inline uint8_t float_to_e4m3(float f) {
+  const uint8_t sign = uint8_t((float_bits(f) >> 24) & 0x80u);
+  const float a = std::fabs(f);
+  if (std::isnan(f)) return uint8_t(sign | 0x7f);
+  if (a > 448.0f) return uint8_t(sign | 0x7e);
+  if (a < 0.015625f)  // below 2^-6: subnormal steps of 2^-9 (a * 512 is exact)
+    return uint8_t(sign | uint8_t(std::nearbyint(a * 512.0f)));  // 8 is the smallest normal
+  int e;
+  std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1): exponent e - 1
+  const int exp = e - 1;
+  int man = int(std::nearbyint(std::ldexp(a, 3 - exp)));  // 8..16, exact before rounding
+  int biased = exp + 7;
+  if (man == 16) man = 8, ++biased;  // rounded up to the next power of two
+  return uint8_t(sign | (biased << 3) | (man - 8));
 }
 
 }  // namespace ropepool
