@@ -41,6 +41,14 @@ read, q_rot, k_rot, k_pool and v_pool rows written. Before timing, ropepool's ou
 checked against eager's (q_rot/k_rot within 2 ulp, pool rows bit-identical to k_rot / v,
 nothing else in the pools changed).
 
+Cache formats (SPEC §6, --caches, on by default): the same cold inputs written into the
+caches engines deploy, each against the plain bf16 [P, Hk, D] pool in the same run, by
+their own bytes (every tensor at its element size): fp8 e4m3 pools with tensor scales,
+FlashInfer-style combined paged caches [pages, 2, page_size, Hk, D] (NHD) and
+[pages, 2, Hk, page_size, D] (HND) at page sizes 1, 16 and 64, fp8 HND, and fp8 q_rot; PyTorch
+eager and torch.compile of the same math (rotation, e4m3 quantisation, paged index_put_)
+for the fp8 NHD cache. Each variant is checked against the plain bf16 result first.
+
 Writes full results to --json (default $OUT/gpu_bench.json when $OUT is set) and prints a
 short table last.
 """
@@ -58,7 +66,7 @@ import time
 
 import torch
 
-from torch_reference import make_inv_freq
+from torch_reference import make_inv_freq, torch_rope_fp8_paged
 from torch_reference import torch_rope_pool as reference_rope_pool
 
 try:
@@ -85,10 +93,13 @@ def parse_args(argv=None):
     p.add_argument("--graph-max-tokens", type=int, default=4096)
     p.add_argument("--samples", type=int, default=60, help="samples per median (>= 50)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
+    p.add_argument("--cache-tokens", default="1,64,256,4096,65536",
+                   help="token counts of the cache-format section ('' to skip it)")
     p.add_argument("--seed", type=int, default=20240601)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     args.tokens = [int(t) for t in args.tokens.split(",") if t]
+    args.cache_tokens = [int(t) for t in args.cache_tokens.split(",") if t]
     if args.json is None and os.environ.get("OUT"):
         args.json = os.path.join(os.environ["OUT"], "gpu_bench.json")
     return args
@@ -317,6 +328,165 @@ def copy_seconds(n, reps, warmup):
     return statistics.median(samples)
 
 
+# --- cache formats (SPEC §6) -------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+# name, kv_layout, page_size, fp8 pools, fp8 q_rot
+CACHE_VARIANTS = (
+    ("bf16 [P,Hk,D]", None, 1, False, False),
+    ("fp8 [P,Hk,D]", None, 1, True, False),
+    ("NHD page 1", "NHD", 1, False, False),
+    ("NHD page 16", "NHD", 16, False, False),
+    ("NHD page 64", "NHD", 64, False, False),
+    ("HND page 16", "HND", 16, False, False),
+    ("HND page 64", "HND", 64, False, False),
+    ("fp8 NHD 16", "NHD", 16, True, False),
+    ("fp8 HND 16", "HND", 16, True, False),
+    ("fp8 NHD 16, fp8 q", "NHD", 16, True, True),
+)
+
+
+class CacheVariant:
+    """The pools of one cache format over the workload's P slots: a plain [P, Hk, D] pair, or
+    the K and V halves of one FlashInfer-style combined paged cache."""
+
+    def __init__(self, spec, w, gen):
+        self.name, self.layout, self.page_size, self.fp8, self.q8 = spec
+        P, Hk, D = w.P, w.shape["num_kv_heads"], w.shape["head_dim"]
+        pool_dtype = FP8 if self.fp8 else w.dtype
+
+        def fill(*shape):
+            return (torch.rand(*shape, generator=gen, device="cuda") * 8 - 4).to(pool_dtype)
+
+        pages, ps = P // self.page_size, self.page_size
+        if self.layout is None:
+            self.k_pool, self.v_pool = fill(P, Hk, D), fill(P, Hk, D)
+        elif self.layout == "NHD":
+            cache = fill(pages, 2, ps, Hk, D)
+            self.k_pool, self.v_pool = cache[:, 0], cache[:, 1]
+        else:
+            cache = fill(pages, 2, Hk, ps, D)
+            self.k_pool, self.v_pool = cache[:, 0], cache[:, 1]
+        self.kwargs = dict(w.shape)
+        if self.layout is not None:
+            self.kwargs["kv_layout"] = self.layout
+        if self.fp8:
+            self.k_scale = torch.tensor([0.5], device="cuda")
+            self.v_scale = torch.tensor([0.25], device="cuda")
+            self.kwargs.update(k_scale=self.k_scale, v_scale=self.v_scale)
+        if self.q8:
+            self.q_scale = torch.tensor([0.5], device="cuda")
+            self.kwargs.update(q_out_dtype=FP8, q_scale=self.q_scale)
+        es = torch.tensor([], dtype=w.dtype).element_size()
+        Hq, T = w.shape["num_qo_heads"], w.T
+        pool_es, q_out_es = (1 if self.fp8 else es), (1 if self.q8 else es)
+        # q, k, v read; q_rot, k_rot written; a k and a v pool row written per token
+        self.bytes = T * D * (es * (Hq + 2 * Hk) + q_out_es * Hq + es * Hk + 2 * pool_es * Hk) + 8 * T
+
+    def call(self, q, k, v, positions, slots, *_pools):
+        return ropepool.rope_pool_fused(q, k, v, positions, slots, self.k_pool, self.v_pool,
+                                        **self.kwargs)
+
+    def rows(self, slots):
+        """The k and v pool rows of `slots`, [T, Hk, D] each."""
+        s = slots.to(torch.int64)
+        if self.layout is None:
+            return self.k_pool[s], self.v_pool[s]
+        page, row = s // self.page_size, s % self.page_size
+        if self.layout == "NHD":
+            return self.k_pool[page, row], self.v_pool[page, row]
+        return self.k_pool[page, :, row], self.v_pool[page, :, row]  # advanced dims first
+
+
+def e4m3_close(a, b):
+    """Within one e4m3 ulp (values as float32, same scale)."""
+    a, b = a.float(), b.float()
+    ulp = torch.exp2(torch.floor(torch.log2(torch.maximum(a.abs(), b.abs()).clamp_min(2.0 ** -6))) - 3)
+    return bool(((a - b).abs() <= ulp).all())
+
+
+def check_cache_variant(var, w):
+    """The variant's outputs on set 0 against the plain bf16 call's: problems (a list)."""
+    a = w.args_of(0)
+    q_ref, k_ref = ropepool.rope_pool_fused(*a, **w.shape)[:2]
+    q_rot, k_rot = var.call(*a)[:2]
+    k_rows, v_rows = var.rows(a[4])
+    problems = []
+    if not torch.equal(k_rot, k_ref):
+        problems.append("k_rot differs from the plain call's")
+    if var.q8:
+        if q_rot.dtype != FP8 or not e4m3_close(q_rot, (q_ref.float() / var.q_scale).to(FP8)):
+            problems.append("fp8 q_rot is not within one e4m3 ulp of e4m3(q_rot / q_scale)")
+    elif not torch.equal(q_rot, q_ref):
+        problems.append("q_rot differs from the plain call's")
+    if var.fp8:
+        v_want = (a[2].float() / var.v_scale).to(FP8)
+        if not torch.equal(v_rows.view(torch.uint8), v_want.view(torch.uint8)):
+            problems.append("fp8 v rows are not e4m3(v / v_scale) bit for bit")
+        if not e4m3_close(k_rows, (k_ref.float() / var.k_scale).to(FP8)):
+            problems.append("fp8 k rows are not within one e4m3 ulp of e4m3(k_rot / k_scale)")
+    elif not (torch.equal(k_rows, k_ref) and torch.equal(v_rows, a[2])):
+        problems.append("pool rows are not bit-identical to k_rot / v")
+    return problems
+
+
+def cache_formats(args, gen, l2, copy_bps, compiled_fp8):
+    """Every CACHE_VARIANTS entry at each --cache-tokens T, on the same cold input sets."""
+    out = []
+    for T in args.cache_tokens:
+        with_graph = T <= args.graph_max_tokens
+        w = Workload(T, args, gen, l2, min_sets=CALLS_PER_BATCH if with_graph else 2)
+        for spec in CACHE_VARIANTS:
+            var = CacheVariant(spec, w, gen)
+            row = dict(T=T, variant=var.name, bytes=var.bytes, problems=check_cache_variant(var, w))
+            contenders = {"ropepool": var.call}
+            if compiled_fp8 is not None and spec == ("fp8 NHD 16", "NHD", 16, True, False):
+                def eager(q, k, v, positions, slots, *_pools, var=var):
+                    return torch_rope_fp8_paged(q, k, v, positions, slots, var.k_pool, var.v_pool,
+                                                w.inv_freq64, var.k_scale, var.v_scale, 16)
+                contenders["eager"] = eager
+                contenders["compile"] = lambda *a, var=var: compiled_fp8(
+                    *a[:5], var.k_pool, var.v_pool, w.inv_freq64, var.k_scale, var.v_scale, 16)
+            for name, fn in contenders.items():
+                warm_up(fn, w)
+                row[f"{name}_call_us"] = time_per_call(fn, w, args.samples, start=3)[0] * 1e6
+                row[f"{name}_b2b_us"] = time_back_to_back(fn, w, args.samples)[0] * 1e6
+                if with_graph:
+                    row[f"{name}_graph_us"] = time_graph(fn, w, args.samples)[0] * 1e6
+            for mode in ("call", "b2b"):
+                row[f"pct_copy_{mode}"] = 100 * var.bytes / (row[f"ropepool_{mode}_us"] * 1e-6) / copy_bps
+            out.append(row)
+            print(json.dumps(row), flush=True)
+            del var, contenders
+            torch.cuda.empty_cache()
+        del w
+        torch.cuda.empty_cache()
+    return out
+
+
+def print_cache_table(rows):
+    if not rows:
+        return
+    print()
+    print("cache formats (SPEC §6): GPU us per call (call / b2b / graph), % of the copy ceiling "
+          "by each format's own bytes, and that share over the plain bf16 pool's at the same T")
+    print(f"{'T':>6} {'format':<18} {'call':>8} {'b2b':>8} {'graph':>8} {'%copy call':>10} "
+          f"{'%copy b2b':>9} {'share/plain':>11}  check")
+    plain = {r["T"]: r for r in rows if r["variant"] == CACHE_VARIANTS[0][0]}
+    for r in rows:
+        base = plain.get(r["T"])
+        share = r["pct_copy_b2b"] / base["pct_copy_b2b"] if base else float("nan")
+        g = r.get("ropepool_graph_us")
+        print(f"{r['T']:>6} {r['variant']:<18} {r['ropepool_call_us']:>8.2f} {r['ropepool_b2b_us']:>8.2f} "
+              f"{(f'{g:.2f}' if g is not None else '-'):>8} {r['pct_copy_call']:>10.1f} "
+              f"{r['pct_copy_b2b']:>9.1f} {share:>11.3f}  {'; '.join(r['problems']) or 'ok'}")
+        for name in ("eager", "compile"):
+            if f"{name}_call_us" in r:
+                g = r.get(f"{name}_graph_us")
+                print(f"{'':>6}   torch {name:<10} {r[f'{name}_call_us']:>8.2f} "
+                      f"{r[f'{name}_b2b_us']:>8.2f} {(f'{g:.2f}' if g is not None else '-'):>8}")
+
+
 # --- main --------------------------------------------------------------------------------------
 
 MODES = ("call", "b2b", "graph")
@@ -420,11 +590,19 @@ def main(argv=None):
         layout_rows.append(dict(T=T, contiguous_b2b_us=times[False], fused_qkv_b2b_us=times[True]))
         print(json.dumps(layout_rows[-1]), flush=True)
 
+    cache_rows = []
+    if have_ropepool and args.cache_tokens:
+        compiled_fp8 = None if args.no_compile else torch.compile(
+            torch_rope_fp8_paged, fullgraph=True, dynamic=True)
+        cache_rows = cache_formats(args, gen, l2, copy_bps, compiled_fp8)
+        problems_all += [f"T={r['T']} {r['variant']}: {p}" for r in cache_rows for p in r["problems"]]
+
     result = dict(device=props.name, torch=torch.__version__, copy_GBps=copy_bps / 1e9,
                   floor_us=floor, l2_bytes=l2, dtype=args.dtype, num_qo_heads=args.num_qo_heads,
                   num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                   rope_base=args.rope_base, pool_rows=args.pool_rows, samples=args.samples,
-                  rows=rows, problems=problems_all, ropepool=have_ropepool, layouts=layout_rows)
+                  rows=rows, problems=problems_all, ropepool=have_ropepool, layouts=layout_rows,
+                  caches=cache_rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -468,6 +646,7 @@ def print_table(r):
     for x in r["layouts"]:
         print(f"T={x['T']} b2b: contiguous q/k/v {x['contiguous_b2b_us']:.2f} us, views into a "
               f"fused QKV buffer {x['fused_qkv_b2b_us']:.2f} us")
+    print_cache_table(r.get("caches", []))
     host_bound = [f"T={x['T']} {k[:-len('_host_bound')]}: {x[k]}" for x in rows for k in x
                   if k.endswith("_host_bound") and x[k]]
     if host_bound:
