@@ -48,6 +48,23 @@ int64_t integer(const std::string& key, const ScalingValue& v) {
   fail(quoted(key) + " must be an integer, got " + describe(v));
 }
 
+// [s_t, s_h, s_w]: three integers (JSON and Python lists arrive as numbers).
+std::vector<int64_t> mrope_section(const std::string& name, const ScalingValue& v) {
+  bool ok = v.kind == ScalingValue::Kind::List && v.list.size() == 3;
+  std::vector<int64_t> out;
+  for (size_t i = 0; ok && i < v.list.size(); ++i) {
+    ok = std::isfinite(v.list[i]) && v.list[i] == std::floor(v.list[i]) &&
+         std::fabs(v.list[i]) < 9007199254740992.0;
+    out.push_back(ok ? int64_t(v.list[i]) : 0);
+  }
+  if (!ok)
+    fail(name + " must be a list of three integers [temporal, height, width], got " +
+         (v.kind == ScalingValue::Kind::List ? "a list of " + std::to_string(v.list.size()) +
+                                                   (v.list.size() == 3 ? " numbers" : " entries")
+                                             : describe(v)));
+  return out;
+}
+
 struct TypeKeys {
   std::vector<std::string> required, optional;
 };
@@ -87,6 +104,7 @@ const char* rope_type_name(RopeType type) {
 
 RopeType parse_rope_type(const std::string& name) {
   if (name == "su") return RopeType::LongRope;  // transformers' old name
+  if (name == "mrope") return RopeType::Default;  // Qwen2-VL's configs (transformers maps it so)
   for (RopeType t : {RopeType::Default, RopeType::Linear, RopeType::Dynamic, RopeType::Yarn,
                      RopeType::Llama3, RopeType::LongRope})
     if (name == rope_type_name(t)) return t;
@@ -118,7 +136,8 @@ RopeScaling parse_rope_scaling(const ScalingEntries& entries, const RopeScalingC
 
   // A key the type does not read would be silently ignored: a model that needs it (e.g.
   // multimodal "mrope_section") would get the wrong rotation.
-  std::vector<std::string> known = {"rope_type", "type", "rope_theta"};
+  std::vector<std::string> known = {"rope_type", "type", "rope_theta", "mrope_section",
+                                    "mrope_interleaved"};
   known.insert(known.end(), keys.required.begin(), keys.required.end());
   known.insert(known.end(), keys.optional.begin(), keys.optional.end());
   std::sort(known.begin(), known.end());
@@ -137,10 +156,12 @@ RopeScaling parse_rope_scaling(const ScalingEntries& entries, const RopeScalingC
   // Value types, in the dict's order.
   for (const auto& [k, v] : entries) {
     if (v.kind == ScalingValue::Kind::Null || k == "rope_type" || k == "type") continue;
-    if (k == "truncate") {
+    if (k == "truncate" || k == "mrope_interleaved") {
       if (v.kind != ScalingValue::Kind::Bool)
         fail(quoted(k) + " must be a bool, got " + describe(v));
-      s.truncate = v.boolean;
+      (k == "truncate" ? s.truncate : s.mrope_interleaved) = v.boolean;
+    } else if (k == "mrope_section") {
+      s.mrope_section = mrope_section(quoted(k), v);
     } else if (k == "short_factor" || k == "long_factor") {
       if (v.kind != ScalingValue::Kind::List)
         fail(quoted(k) + " must be a list of numbers, got " + describe(v));
@@ -209,6 +230,26 @@ RopeScaling parse_rope_scaling(const ScalingEntries& entries, const RopeScalingC
   }
   s.max_position_embeddings = context.max_position_embeddings;
   s.seq_len = context.seq_len;
+
+  // SPEC §7: the multimodal keys as keywords of their own; both places must agree.
+  auto section_str = [](const std::vector<int64_t>& v) {
+    std::string t = "[";
+    for (size_t i = 0; i < v.size(); ++i) t += (i ? ", " : "") + std::to_string(v[i]);
+    return t + "]";
+  };
+  if (context.mrope_section) {
+    if (find("mrope_section") && s.mrope_section != *context.mrope_section)
+      fail("rope_scaling['mrope_section'] = " + section_str(s.mrope_section) +
+           " differs from mrope_section = " + section_str(*context.mrope_section));
+    s.mrope_section = *context.mrope_section;
+  }
+  if (context.mrope_interleaved) {
+    if (find("mrope_interleaved") && s.mrope_interleaved != *context.mrope_interleaved)
+      fail(std::string("rope_scaling['mrope_interleaved'] = ") +
+           (s.mrope_interleaved ? "true" : "false") + " differs from mrope_interleaved = " +
+           (*context.mrope_interleaved ? "true" : "false"));
+    s.mrope_interleaved = *context.mrope_interleaved;
+  }
   return s;
 }
 

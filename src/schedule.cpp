@@ -185,6 +185,27 @@ void check_finite(const RopeSchedule& s) {
     fail("attention_scaling must be finite, got " + num(s.attention_scaling));
 }
 
+// SPEC §7: three non-negative sections covering the R/2 frequencies.
+void check_mrope(const std::vector<int64_t>& section, bool interleaved, int64_t R) {
+  if (section.empty()) {
+    if (interleaved)
+      fail("mrope_interleaved needs mrope_section",
+           "pass mrope_section (config.rope_scaling['mrope_section']) too");
+    return;
+  }
+  int64_t sum = 0;
+  bool ok = section.size() == 3;
+  for (int64_t x : section) ok = ok && x >= 0, sum += x;
+  if (!ok || sum != R / 2) {
+    std::string got = "[";
+    for (size_t i = 0; i < section.size(); ++i) got += (i ? ", " : "") + std::to_string(section[i]);
+    fail("mrope_section must be three non-negative integers summing to rotary_dim/2 = " +
+             std::to_string(R / 2) + ", got " + got + "]",
+         "mrope_section counts frequencies (pairs), not elements: Qwen2-VL's head_dim 128 has "
+         "[16, 24, 24]");
+  }
+}
+
 }  // namespace
 
 void check_precomputed_schedule(const RopePoolParams& params, const RopeSchedule& schedule) {
@@ -199,6 +220,7 @@ void check_precomputed_schedule(const RopePoolParams& params, const RopeSchedule
              " disagrees with the schedule, made for rope_base = " +
              detail::py_float(schedule.rope_base),
          "pass the rope_base the schedule was made with (or make a new schedule)");
+  check_mrope(schedule.mrope_section, schedule.mrope_interleaved, R);
   check_finite(schedule);
 }
 
@@ -210,7 +232,15 @@ RopeSchedule make_rope_schedule(const RopePoolParams& params) {
   const double base = params.rope_base;
   const RopeScaling& s = params.rope_scaling;
 
-  if (params.inv_freq.data && !(s == RopeScaling{}))
+  // mRoPE (SPEC §7) says which position each frequency reads: it combines with any
+  // schedule, inv_freq included.
+  RopeScaling without_mrope = s;
+  without_mrope.mrope_section.clear();
+  without_mrope.mrope_interleaved = false;
+  check_mrope(s.mrope_section, s.mrope_interleaved, R);
+  out.mrope_section = s.mrope_section;
+  out.mrope_interleaved = s.mrope_interleaved;
+  if (params.inv_freq.data && !(without_mrope == RopeScaling{}))
     fail("inv_freq replaces rope_scaling (and max_position_embeddings, "
          "original_max_position_embeddings, seq_len); pass one or the other");
   if (params.inv_freq.data) {

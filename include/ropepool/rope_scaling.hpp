@@ -44,6 +44,11 @@ struct RopeScaling {
   /// seq_len > max_position_embeddings; longrope uses long_factor once
   /// seq_len > original_max_position_embeddings, short_factor otherwise.
   std::optional<int64_t> seq_len;
+  /// Multimodal RoPE (SPEC §7; Qwen2-VL, Qwen2.5-VL, Qwen3-VL), with any type: empty, or
+  /// [s_t, s_h, s_w] with s_t + s_h + s_w = rotary_dim/2. Frequency i takes its position from
+  /// row a(i) of positions [3, T]; mrope_interleaved (Qwen3-VL) picks a(i) by i % 3.
+  std::vector<int64_t> mrope_section;
+  bool mrope_interleaved = false;
 
   friend bool operator==(const RopeScaling&, const RopeScaling&) = default;
 };
@@ -77,11 +82,16 @@ struct RopeScalingContext {
   std::optional<int64_t> max_position_embeddings;           ///< dynamic, yarn, longrope
   std::optional<int64_t> original_max_position_embeddings;  ///< longrope (Phi-3: top level)
   std::optional<int64_t> seq_len;                           ///< dynamic, longrope
+  /// SPEC §7 keywords: the same as rope_scaling["mrope_section"] / ["mrope_interleaved"];
+  /// given in both places they must agree.
+  std::optional<std::vector<int64_t>> mrope_section;
+  std::optional<bool> mrope_interleaved;
 };
 
 /// Parses a Hugging Face `config.rope_scaling` dict (its items, in order) with the rules of
-/// SPEC §4: the type from "rope_type" or "type" (they must agree; "su" = longrope), the keys
-/// each type requires and reads (any other key is an error), the value types (a number, a
+/// SPEC §4: the type from "rope_type" or "type" (they must agree; "su" = longrope, "mrope" =
+/// default), the keys each type requires and reads (any other key is an error; every type
+/// reads "mrope_section" and "mrope_interleaved", SPEC §7), the value types (a number, a
 /// bool, a string, a list of numbers; null = absent), rope_theta agreeing with rope_base,
 /// and the context keywords. Values themselves (factor > 0, list lengths, ...) are checked by
 /// make_rope_schedule. No entries (no dict, or an empty one) means type default. Throws

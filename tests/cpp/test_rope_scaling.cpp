@@ -184,6 +184,12 @@ std::string run_case(const Json& c) {
   context.max_position_embeddings = integer("max_position_embeddings");
   context.original_max_position_embeddings = integer("original_max_position_embeddings");
   context.seq_len = integer("seq_len");
+  if (const Json* v = kw.get("mrope_section")) {
+    std::vector<int64_t> section;
+    for (const Json& x : v->items) section.push_back(x.i);
+    context.mrope_section = section;
+  }
+  if (const Json* v = kw.get("mrope_interleaved")) context.mrope_interleaved = v->b;
   ScalingEntries entries;
   if (const Json* rs = c.get("rope_scaling"))
     for (const auto& [k, v] : rs->members) entries.emplace_back(k, to_value(v));
@@ -210,7 +216,8 @@ TEST(RopeScalingCases, SameMessagesAsPython) {
 TEST(RopeScalingCases, RopeTypeParserIsPublic) {
   EXPECT_EQ(parse_rope_type("su"), RopeType::LongRope);
   EXPECT_EQ(parse_rope_type("yarn"), RopeType::Yarn);
-  EXPECT_THROW(parse_rope_type("mrope"), Error);
+  EXPECT_EQ(parse_rope_type("mrope"), RopeType::Default);  // Qwen2-VL's configs (SPEC §7)
+  EXPECT_THROW(parse_rope_type("ntk"), Error);
 }
 
 // Phi-3 (issue #9): the dict alone is an error; with the top-level length the schedule

@@ -400,10 +400,10 @@ def test_schedule_object_and_escape_hatch(device):
     ({"rope_type": "llama3", "factor": 8.0}, {},
      "rope_pool_fused: rope_scaling type 'llama3' needs 'low_freq_factor', 'high_freq_factor', "
      "'original_max_position_embeddings'"),
-    ({"type": "yarn", "factor": 4.0, "mrope_section": [16, 24, 24]}, {},
-     "rope_pool_fused: rope_scaling type 'yarn' does not use 'mrope_section'; accepted keys: "
-     "attention_factor, beta_fast, beta_slow, factor, mscale, mscale_all_dim, "
-     "original_max_position_embeddings, rope_theta, rope_type, truncate, type"),
+    ({"type": "yarn", "factor": 4.0, "mrope_sections": [16, 24, 24]}, {},
+     "rope_pool_fused: rope_scaling type 'yarn' does not use 'mrope_sections'; accepted keys: "
+     "attention_factor, beta_fast, beta_slow, factor, mrope_interleaved, mrope_section, mscale, "
+     "mscale_all_dim, original_max_position_embeddings, rope_theta, rope_type, truncate, type"),
     ({"type": "dynamic", "factor": 2.0}, {"max_position_embeddings": 4096},
      "rope_pool_fused: rope_scaling 'dynamic' needs seq_len"),
     ({"type": "yarn", "factor": 4.0}, {},
