@@ -50,6 +50,50 @@ double load(const TensorView& x, int64_t t, int64_t h, int64_t d) {
   }
 }
 
+double round_to(DType dtype, double x) {
+  const float f = static_cast<float>(x);
+  switch (dtype) {
+    case DType::Float16: return half_to_float(float_to_half(f));
+    case DType::BFloat16: return bf16_to_float(float_to_bf16(f));
+    default: return f;
+  }
+}
+
+int64_t load_position(const TensorView& positions, int row, int64_t t) {
+  if (positions.ndim != 2) return load_index(positions, t);
+  const char* base = static_cast<const char*>(positions.data);
+  const int64_t off = row * positions.strides[0] + t * positions.strides[1];
+  if (positions.dtype == DType::Int64) return *reinterpret_cast<const int64_t*>(base + 8 * off);
+  return *reinterpret_cast<const int32_t*>(base + 4 * off);
+}
+
+std::vector<double> normalize(const TensorView& x, const TensorView& weight, double eps,
+                              bool gemma) {
+  const int64_t T = x.shape[0], H = x.shape[1], D = x.shape[2];
+  std::vector<double> w(static_cast<size_t>(D));
+  for (int64_t d = 0; d < D; ++d) {
+    const char* p = static_cast<const char*>(weight.data) +
+                    d * weight.strides[0] * int64_t(dtype_size(weight.dtype));
+    w[size_t(d)] = weight.dtype == DType::Float32    ? *reinterpret_cast<const float*>(p)
+                   : weight.dtype == DType::Float16 ? half_to_float(*reinterpret_cast<const uint16_t*>(p))
+                                                    : bf16_to_float(*reinterpret_cast<const uint16_t*>(p));
+  }
+  std::vector<double> out(static_cast<size_t>(T * H * D));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      double sum = 0;
+      for (int64_t d = 0; d < D; ++d) sum += load(x, t, h, d) * load(x, t, h, d);
+      const double r = 1.0 / std::sqrt(sum / double(D) + double(float(eps)));  // eps as float32, as in the models
+      double* o = &out[size_t((t * H + h) * D)];
+      for (int64_t d = 0; d < D; ++d) {
+        const double a = load(x, t, h, d);
+        o[d] = gemma ? round_to(x.dtype, a * r * (1.0 + w[size_t(d)]))
+                     : round_to(x.dtype, w[size_t(d)] * round_to(x.dtype, a * r));
+      }
+    }
+  return out;
+}
+
 int64_t load_index(const TensorView& x, int64_t t) {
   const char* base = static_cast<const char*>(x.data);
   if (x.dtype == DType::Int64) return *reinterpret_cast<const int64_t*>(base + 8 * t * x.strides[0]);
@@ -59,24 +103,35 @@ int64_t load_index(const TensorView& x, int64_t t) {
 std::vector<double> rotate(const TensorView& x, const TensorView& positions,
                            const RopeSchedule& schedule, bool interleaved) {
   const int64_t T = x.shape[0], H = x.shape[1], D = x.shape[2];
+  std::vector<double> values(static_cast<size_t>(T * H * D));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) values[size_t((t * H + h) * D + d)] = load(x, t, h, d);
+  return rotate(values, T, H, D, positions, schedule, interleaved);
+}
+
+std::vector<double> rotate(const std::vector<double>& x, int64_t T, int64_t H, int64_t D,
+                           const TensorView& positions, const RopeSchedule& schedule,
+                           bool interleaved) {
   const int64_t half = schedule.rotary_dim / 2;
   std::vector<double> out(static_cast<size_t>(T * H * D));
   for (int64_t t = 0; t < T; ++t) {
-    const double pos = double(load_index(positions, t));
     for (int64_t h = 0; h < H; ++h) {
       double* o = &out[static_cast<size_t>((t * H + h) * D)];
+      const double* in = &x[static_cast<size_t>((t * H + h) * D)];
       for (int64_t i = 0; i < half; ++i) {
+        const double pos = double(load_position(positions, mrope_axis(schedule, i), t));
         // pos * inv_freq is exact enough in double (relative error 2^-53, |theta| < 2^21)
         const double theta = pos * schedule.inv_freq[i];
         const double c = std::cos(theta) * schedule.attention_scaling;
         const double s = std::sin(theta) * schedule.attention_scaling;
         // the pair (a, b): half-split (i, i + R/2) or GPT-J interleaved (2i, 2i + 1)
         const int64_t ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
-        const double a = load(x, t, h, ia), b = load(x, t, h, ib);
+        const double a = in[ia], b = in[ib];
         o[ia] = a * c - b * s;
         o[ib] = a * s + b * c;
       }
-      for (int64_t d = schedule.rotary_dim; d < D; ++d) o[d] = load(x, t, h, d);
+      for (int64_t d = schedule.rotary_dim; d < D; ++d) o[d] = in[d];
     }
   }
   return out;
@@ -86,8 +141,15 @@ void rope_pool_fused(const RopePoolTensors& t, const RopePoolParams& params) {
   const RopeSchedule schedule = make_rope_schedule(params);
   const int64_t T = t.q.shape[0], Hq = t.q.shape[1], Hk = t.k.shape[1], D = t.q.shape[2];
   // both rotations are complete before any store, so q_out/k_out may alias q/k (in place)
-  const std::vector<double> q_rot = rotate(t.q, t.positions, schedule, params.interleaved);
-  const std::vector<double> k_rot = rotate(t.k, t.positions, schedule, params.interleaved);
+  const double eps = params.norm_eps.value_or(1e-6);
+  const bool gemma = params.norm_style.value_or("rms") == "gemma";
+  auto rotated = [&](const TensorView& x, const TensorView& weight) {
+    if (!weight.data) return rotate(x, t.positions, schedule, params.interleaved);
+    return rotate(normalize(x, weight, eps, gemma), x.shape[0], x.shape[1], x.shape[2],
+                  t.positions, schedule, params.interleaved);
+  };
+  const std::vector<double> q_rot = rotated(t.q, params.q_norm_weight);
+  const std::vector<double> k_rot = rotated(t.k, params.k_norm_weight);
   for (int64_t i = 0; i < T; ++i) {
     for (int64_t h = 0; h < Hq; ++h)
       for (int64_t d = 0; d < D; ++d) store(t.q_out, i, h, d, q_rot[size_t((i * Hq + h) * D + d)]);

@@ -13,12 +13,31 @@ double load(const TensorView& x, int64_t t, int64_t h, int64_t d);
 /// Reads entry t of a 1-D int32/int64 CPU tensor view.
 int64_t load_index(const TensorView& x, int64_t t);
 
+/// Entry (row, t) of positions: [T] (row 0 only) or [3, T] (mRoPE, SPEC §7).
+int64_t load_position(const TensorView& positions, int row, int64_t t);
+
 /// The exact rotation of every element of x [T, H, D] (as read) in float64, row-major.
-/// Pairs are (i, i + R/2), or (2i, 2i + 1) when interleaved.
+/// Pairs are (i, i + R/2), or (2i, 2i + 1) when interleaved. With an mRoPE schedule
+/// (SPEC §7) frequency i takes its position from row mrope_axis(schedule, i) of
+/// positions [3, T].
 std::vector<double> rotate(const TensorView& x, const TensorView& positions,
                            const RopeSchedule& schedule, bool interleaved = false);
+/// The same for values already read (row-major [T, H, D]), e.g. the output of normalize.
+std::vector<double> rotate(const std::vector<double>& x, int64_t T, int64_t H, int64_t D,
+                           const TensorView& positions, const RopeSchedule& schedule,
+                           bool interleaved = false);
 
-/// The op computed from `rotate`, each element rounded once to the tensors' dtype.
+/// SPEC §7's per-head norm of x [T, H, D] with weight [D] (x's dtype or float32), row-major,
+/// each value rounded to x's dtype where SPEC §7 rounds ("rms": x * rsqrt(mean(x^2) + eps)
+/// rounded, times w, rounded; "gemma": x * rsqrt(mean(x^2) + eps) * (1 + w), rounded
+/// once), the rest in float64.
+std::vector<double> normalize(const TensorView& x, const TensorView& weight, double eps,
+                              bool gemma);
+/// x's value rounded to `dtype` (double -> float -> 16-bit, as `store` does).
+double round_to(DType dtype, double x);
+
+/// The op computed from `normalize` (when params has norm weights) and `rotate`, each
+/// rotated element rounded once to the tensors' dtype.
 /// Same contract as ropepool::rope_pool_fused, CPU tensors only, no threading.
 void rope_pool_fused(const RopePoolTensors& tensors, const RopePoolParams& params);
 
