@@ -66,6 +66,21 @@ struct RopePoolProblem {
   double attention_scaling = 1.0;
   bool check_slots = false;
   void* stream = nullptr;
+
+  // SPEC §7 (defaults: off). mRoPE: positions [3, T] (row r at positions.data + r *
+  // positions_row_stride elements); frequency i reads row mrope_axis(mrope_section,
+  // mrope_interleaved, i) (include/ropepool/schedule.hpp).
+  bool mrope = false;
+  int64_t mrope_section[3] = {0, 0, 0};
+  bool mrope_interleaved = false;
+  int64_t positions_row_stride = 0;
+  // QK norm: a [head_dim] weight (dtype: `dtype` or Float32, contiguous, on the tensors'
+  // device) per normalised tensor, nullptr = that tensor is not normalised.
+  const void* q_norm_weight = nullptr;
+  const void* k_norm_weight = nullptr;
+  DType q_norm_dtype = DType::Float32, k_norm_dtype = DType::Float32;
+  float norm_eps = 1e-6f;
+  bool norm_gemma = false;  // y = x * rsqrt(mean(x^2) + eps) * (1 + w) in float32, one rounding
 };
 
 /// What a backend can run, asked by validation before any backend runs (CUTLASS's

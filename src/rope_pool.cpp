@@ -32,6 +32,7 @@ const char* arg_name(Arg a) {
 }
 
 detail::Index index(const TensorView& v);
+detail::Index position_row(const TensorView& positions, int row);
 
 struct Checker {
   const RopePoolTensors& t;
@@ -57,8 +58,16 @@ struct Checker {
   void contract() const {
     if (t.q.ndim != 3 || t.k.ndim != 3 || t.v.ndim != 3)
       fail("rope_pool_fused expects q/k/v to be 3-D");
-    if (t.positions.ndim != 1 || t.slots.ndim != 1)
-      fail("rope_pool_fused expects positions/slots to be 1-D");
+    const bool mrope = mrope_requested();
+    if ((!mrope && t.positions.ndim != 1) || t.slots.ndim != 1)
+      fail("rope_pool_fused expects positions/slots to be 1-D",
+           t.positions.ndim == 2 && t.positions.shape[0] == 3
+               ? "positions [3, T] are multimodal (mRoPE) positions: pass mrope_section"
+               : "");
+    if (mrope && (t.positions.ndim != 2 || t.positions.shape[0] != 3))
+      fail("rope_pool_fused: with mrope_section, positions must be [3, num_tokens] (temporal, "
+           "height and width rows), got " + shape(Arg::positions, t.positions),
+           "text-only tokens take the same position in all three rows");
     if (t.k_pool.ndim != 3 || t.v_pool.ndim != 3)
       fail("rope_pool_fused expects pool tensors to be 3-D",
            pool_hint(t.k_pool.ndim != 3 ? t.k_pool : t.v_pool));
@@ -72,7 +81,7 @@ struct Checker {
     if (!same_shape(t.v, t.k))
       fail("v shape must match k shape, got " + shape(Arg::v, t.v) + " vs " +
            shape(Arg::k, t.k));
-    if (t.positions.shape[0] != T || t.slots.shape[0] != T)
+    if (t.positions.shape[t.positions.ndim - 1] != T || t.slots.shape[0] != T)
       fail("positions/slots must have one entry per token");
     if (t.k_pool.shape[1] != p.num_kv_heads || t.k_pool.shape[2] != p.head_dim)
       fail("k_pool has incompatible shape " + shape(Arg::k_pool, t.k_pool),
@@ -110,6 +119,46 @@ struct Checker {
     return h;
   }
 
+  // SPEC §7: multimodal positions [3, T] (from the keyword, the rope_scaling dict or a
+  // precomputed schedule).
+  bool mrope_requested() const {
+    return p.schedule ? !p.schedule->mrope_section.empty() : !p.rope_scaling.mrope_section.empty();
+  }
+
+  // SPEC §7's norm keywords, after the schedule: weights [head_dim] of q's dtype or float32
+  // on q's device, eps finite and > 0, a known style; a norm keyword needs a weight.
+  void norm() const {
+    const bool any = p.q_norm_weight.data || p.k_norm_weight.data;
+    if (!any && (p.norm_eps || p.norm_style))
+      fail(std::string("rope_pool_fused: ") + (p.norm_eps ? "norm_eps" : "norm_style") +
+               " is given but neither q_norm_weight nor k_norm_weight",
+           "pass the norm weights (e.g. the model's q_norm.weight and k_norm.weight), or drop "
+           "the norm keywords");
+    for (auto [name, w] : {std::pair{"q_norm_weight", &p.q_norm_weight}, {"k_norm_weight", &p.k_norm_weight}}) {
+      if (!w->data) continue;
+      if (w->ndim != 1 || w->shape[0] != p.head_dim)
+        fail(std::string("rope_pool_fused: ") + name + " must be [head_dim] = [" +
+             std::to_string(p.head_dim) + "], got " + format_shape(*w));
+      if (w->dtype != t.q.dtype && w->dtype != DType::Float32)
+        fail(std::string("rope_pool_fused: ") + name + " must be " + dtype_name(t.q.dtype) +
+             " (q's dtype) or float32, got " + dtype_name(w->dtype));
+      if (!(w->device == t.q.device))
+        fail(std::string("rope_pool_fused: ") + name + " must be on q's device " +
+                 device_name(t.q.device) + ", got " + device_name(w->device),
+             "move the weight once, at model load");
+      if (w->shape[0] > 1 && w->strides[0] != 1)
+        fail(std::string("rope_pool_fused: ") + name + " must be contiguous, got stride " +
+             std::to_string(w->strides[0]));
+    }
+    if (p.norm_eps && !(*p.norm_eps > 0 && std::isfinite(*p.norm_eps) &&
+                        std::isfinite(float(*p.norm_eps)) && float(*p.norm_eps) > 0))
+      fail("rope_pool_fused: norm_eps must be finite and > 0 (as a float32), got " +
+           num(*p.norm_eps));
+    if (p.norm_style && *p.norm_style != "rms" && *p.norm_style != "gemma")
+      fail("rope_pool_fused: norm_style must be 'rms' or 'gemma', got '" + *p.norm_style + "'",
+           "'rms': Qwen3RMSNorm / LlamaRMSNorm (w * x); 'gemma': Gemma3RMSNorm ((1 + w) * x)");
+  }
+
   // The checks SPEC §2 lists after the contract ones, in its order.
   // `made` receives a schedule made from the parameters; a precomputed one is only checked.
   const RopeSchedule* extended(RopeSchedule& made) const {
@@ -125,6 +174,7 @@ struct Checker {
     } else {
       made = make_rope_schedule(p);
     }
+    norm();
     if (p.num_qo_heads <= 0 || p.num_kv_heads <= 0)
       fail("rope_pool_fused: num_qo_heads and num_kv_heads must be > 0, got " +
            std::to_string(p.num_qo_heads) + " and " + std::to_string(p.num_kv_heads));
@@ -132,6 +182,12 @@ struct Checker {
       fail(std::string("rope_pool_fused: unsupported dtype ") + dtype_name(t.q.dtype) +
            " for q/k/v/pools; expected float32, float16 or bfloat16");
     devices();
+    if (t.q.device.type == DeviceType::CUDA &&
+        (p.q_norm_weight.data || p.k_norm_weight.data || !schedule->mrope_section.empty()))
+      fail("rope_pool_fused: " +
+           std::string(schedule->mrope_section.empty() ? "q_norm_weight/k_norm_weight"
+                                                       : "mrope_section") +
+           " is not supported on the cuda backend yet");
     outputs();
     layouts();
     limits(*schedule);
@@ -193,14 +249,17 @@ struct Checker {
     }
     // int32 positions cannot exceed 2^31: the default schedules (max inv_freq 1) never scan.
     if (t.positions.dtype == DType::Int32 && 2147483648.0 * max_f <= b.max_angle) return;
-    const detail::Index pos = index(t.positions);
-    for (int64_t i = 0; i < T; ++i) {
-      const double theta = std::fabs(double(pos[i])) * max_f;
-      if (theta > b.max_angle)
-        fail("rope_pool_fused: positions[" + std::to_string(i) + "] = " +
-                 std::to_string(pos[i]) + " times " + freq() + " is an angle of " + num(theta) +
-                 " rad, beyond " + limit,
-             hint);
+    const int rows = t.positions.ndim == 2 ? 3 : 1;  // mRoPE: [3, T] (SPEC §7)
+    for (int r = 0; r < rows; ++r) {
+      const detail::Index pos = position_row(t.positions, r);
+      for (int64_t i = 0; i < T; ++i) {
+        const double theta = std::fabs(double(pos[i])) * max_f;
+        if (theta > b.max_angle)
+          fail("rope_pool_fused: positions[" + (rows == 3 ? std::to_string(r) + ", " : "") +
+                   std::to_string(i) + "] = " + std::to_string(pos[i]) + " times " + freq() +
+                   " is an angle of " + num(theta) + " rad, beyond " + limit,
+               hint);
+      }
     }
   }
 
@@ -222,7 +281,8 @@ struct Checker {
                           {&t.k_pool, "k_pool"},
                           {&t.v_pool, "v_pool"}};
     const Named ins[] = {{&t.q, "q"}, {&t.k, "k"}, {&t.v, "v"}, {&t.positions, "positions"},
-                         {&t.slots, "slots"}};
+                         {&t.slots, "slots"}, {&p.q_norm_weight, "q_norm_weight"},
+                         {&p.k_norm_weight, "k_norm_weight"}};
     auto reject = [](const char* a, const char* b) {
       fail(std::string("rope_pool_fused: ") + a + " and " + b +
                " overlap in memory (they share at least one byte); the result would depend "
@@ -232,14 +292,15 @@ struct Checker {
     };
     // Byte spans first (one pass over the nine views): disjoint spans, the common case, cost
     // two comparisons per pair; only intersecting spans get the exact test.
-    ByteSpan out_span[4], in_span[5];
+    constexpr size_t kIns = std::size(ins);
+    ByteSpan out_span[4], in_span[kIns];
     for (size_t i = 0; i < 4; ++i) out_span[i] = byte_span(*outs[i].view);
-    for (size_t i = 0; i < 5; ++i) in_span[i] = byte_span(*ins[i].view);
+    for (size_t i = 0; i < kIns; ++i) in_span[i] = byte_span(*ins[i].view);
     auto meet = [](const ByteSpan& a, const ByteSpan& b) {
       return !a.empty() && !b.empty() && a.lo < b.hi && b.lo < a.hi;
     };
     for (size_t o = 0; o < 4; ++o) {
-      for (size_t i = 0; i < 5; ++i) {
+      for (size_t i = 0; i < kIns; ++i) {
         if ((o == 0 && i == 0 && q_inplace) || (o == 1 && i == 1 && k_inplace)) continue;
         if (meet(out_span[o], in_span[i]) && views_overlap(*outs[o].view, *ins[i].view))
           reject(outs[o].name, ins[i].name);
@@ -348,6 +409,13 @@ detail::PoolRows pool_rows(const TensorView& v) { return {v.data, v.strides[0], 
 detail::Index index(const TensorView& v) {
   return {v.data, v.strides[0], v.dtype == DType::Int64};
 }
+// Row r of positions [3, T] (mRoPE), or positions [T] itself.
+detail::Index position_row(const TensorView& v, int row) {
+  if (v.ndim != 2) return index(v);
+  const size_t es = v.dtype == DType::Int64 ? 8 : 4;
+  return {static_cast<const char*>(v.data) + row * v.strides[0] * int64_t(es), v.strides[1],
+          v.dtype == DType::Int64};
+}
 
 // Everything a call needs, checked: the kernel-facing problem, and the schedule made for
 // it when the caller passed none (problem.inv_freq points into it or into the caller's).
@@ -377,7 +445,7 @@ Checked check(const RopePoolTensors& t, const RopePoolParams& p, const CallOptio
   problem.q_out_dtype = t.q_out.dtype;
   problem.k_pool = pool_rows(t.k_pool);
   problem.v_pool = pool_rows(t.v_pool);
-  problem.positions = index(t.positions);
+  problem.positions = position_row(t.positions, 0);
   problem.slots = index(t.slots);
   problem.check_slots = o.check_slots;
   problem.stream = o.stream;
@@ -385,6 +453,19 @@ Checked check(const RopePoolTensors& t, const RopePoolParams& p, const CallOptio
   problem.rotary_dim = schedule->rotary_dim;
   problem.inv_freq = schedule->inv_freq.data();
   problem.attention_scaling = schedule->attention_scaling;
+  // SPEC §7
+  if (!schedule->mrope_section.empty()) {
+    problem.mrope = true;
+    for (int i = 0; i < 3; ++i) problem.mrope_section[i] = schedule->mrope_section[size_t(i)];
+    problem.mrope_interleaved = schedule->mrope_interleaved;
+    problem.positions_row_stride = t.positions.strides[0];
+  }
+  problem.q_norm_weight = p.q_norm_weight.data;
+  problem.k_norm_weight = p.k_norm_weight.data;
+  problem.q_norm_dtype = p.q_norm_weight.dtype;
+  problem.k_norm_dtype = p.k_norm_weight.dtype;
+  problem.norm_eps = float(p.norm_eps.value_or(1e-6));
+  problem.norm_gemma = p.norm_style.value_or("rms") == "gemma";
   if (t.q.device.type == DeviceType::CPU)
     detail::check_slot_values(problem.slots, problem.num_tokens, problem.pool_size,
                               o.check_slots);

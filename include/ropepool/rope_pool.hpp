@@ -47,6 +47,13 @@ struct RopePoolParams {
   /// A schedule made once by make_rope_schedule (e.g. at model load): used as is, instead
   /// of rope_base/rope_scaling/inv_freq/attention_scaling. Its rotary_dim must match.
   const RopeSchedule* schedule = nullptr;
+
+  // SPEC §7: per-head RMSNorm of q and/or k before RoPE (Qwen3, Gemma 3). Multimodal RoPE
+  // is rope_scaling.mrope_section / mrope_interleaved (positions [3, T]).
+  TensorView q_norm_weight;  ///< [head_dim], q's dtype or float32, on q's device; none = no q norm
+  TensorView k_norm_weight;  ///< [head_dim], likewise for k (the pool gets the normalised k)
+  std::optional<double> norm_eps;          ///< finite and > 0; unset = 1e-6
+  std::optional<std::string> norm_style;   ///< "rms" (unset: Qwen3RMSNorm) or "gemma" (1 + w)
 };
 
 /// Which argument a shape in a message belongs to (for ShapeFormatter).

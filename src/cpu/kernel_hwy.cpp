@@ -30,6 +30,7 @@
 
 #include "cpu_kernels.hpp"
 #include "ropepool/half.hpp"
+#include "ropepool/schedule.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace ropepool::detail::cpu {
@@ -347,7 +348,8 @@ HWY_INLINE void RotateRowInterleavedBF16(const uint16_t* x, uint16_t* out, uint1
 
 // The bf16 half-split table order: within each whole chunk of 2N pairs, the even-indexed
 // frequencies first, then the odd ones; the rest in order.
-void PermuteForBF16(const double* inv_freq, int64_t n, int64_t half, double* out) {
+template <class V>
+void PermuteForBF16(const V* inv_freq, int64_t n, int64_t half, V* out) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(DF()));
   int64_t i = 0;
   for (; i + 2 * N <= half; i += 2 * N)
@@ -359,8 +361,12 @@ void PermuteForBF16(const double* inv_freq, int64_t n, int64_t half, double* out
 }
 #endif  // HWY_TARGET != HWY_SCALAR
 
+// pos_per_freq (mRoPE, SPEC §7): nullptr, or n positions, one per frequency (same order as
+// inv_freq), used instead of pos. Text-only mRoPE positions (three equal rows) give the same
+// products, so the same bits as the plain table.
 void SinCosTable(const double* HWY_RESTRICT inv_freq, int64_t n, int64_t pos, float scale,
-                 float* HWY_RESTRICT cos_out, float* HWY_RESTRICT sin_out) {
+                 float* HWY_RESTRICT cos_out, float* HWY_RESTRICT sin_out,
+                 const double* HWY_RESTRICT pos_per_freq) {
   const hn::ScalableTag<double> dd;
   const hn::Rebind<float, decltype(dd)> df_half;  // as many floats as doubles
   const DF df;
@@ -373,7 +379,8 @@ void SinCosTable(const double* HWY_RESTRICT inv_freq, int64_t n, int64_t pos, fl
   const auto two_pi = hn::Set(dd, 6.283185307179586);
   const auto inv_two_pi = hn::Set(dd, 0.15915494309189535);
   for (int64_t i = 0; i < n; i += Nd) {
-    const auto theta = hn::Mul(pos_d, hn::LoadU(dd, inv_freq + i));
+    const auto theta = hn::Mul(pos_per_freq ? hn::LoadU(dd, pos_per_freq + i) : pos_d,
+                               hn::LoadU(dd, inv_freq + i));
     const auto turns = hn::Round(hn::Mul(theta, inv_two_pi));
     const auto r = hn::NegMulAdd(turns, two_pi, theta);
     // Store the float angles into sin_out, overwritten in place below.
@@ -416,6 +423,53 @@ HWY_INLINE void RotateRowInterleaved(const typename E::T* x, typename E::T* out,
                      [&](int64_t p, float& c, float& s) { c = cos_il[p], s = sin_il[p + 1]; });
 }
 
+void PromoteRow(DType dtype, const void* in, float* out, int64_t n);
+
+// v rounded to E's dtype and widened back, in registers (round to nearest even).
+template <class E>
+HWY_INLINE VF RoundTo(DF df, VF v) {
+  if constexpr (std::is_same_v<E, Float32>) {
+    return v;
+  } else if constexpr (std::is_same_v<E, BFloat16>) {
+    const hn::RebindToUnsigned<DF> du32;
+    return hn::BitCast(df, hn::And(RoundToBF16High(v), hn::Set(du32, 0xffff0000u)));
+  } else {
+    HWY_ALIGN uint16_t bits[hn::MaxLanes(DF())];  // the store path's rounding, then the load's widening
+    hn::Store(E::store_bits(df, v), DU16(), bits);
+    return E::load(df, bits);
+  }
+}
+
+// SPEC §7's per-head norm of one head x[0, D) into y (the head is read from memory once;
+// the rotation then reads y from L1). mean(x^2) and the rsqrt in float32; "rms":
+// y = round(w * round(x * r)), "gemma": y = round(x * r * w) with w already 1 + weight.
+template <class E>
+HWY_INLINE void NormRow(const typename E::T* x, typename E::T* y, const float* HWY_RESTRICT w,
+                        float eps, int64_t D, bool gemma) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  VF acc = hn::Zero(df);
+  int64_t i = 0;
+  for (; i + N <= D; i += N) {
+    const VF v = E::load(df, x + i);
+    acc = hn::MulAdd(v, v, acc);
+  }
+  float sum = hn::GetLane(hn::SumOfLanes(df, acc));
+  for (; i < D; ++i) sum += E::scalar_load(x[i]) * E::scalar_load(x[i]);
+  const float r = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
+  const VF vr = hn::Set(df, r);
+  for (i = 0; i + N <= D; i += N) {
+    const VF n = hn::Mul(E::load(df, x + i), vr);
+    // "rms": n rounded to the input dtype (in registers), then times w
+    StoreVec<E>(df, hn::Mul(gemma ? n : RoundTo<E>(df, n), hn::LoadU(df, w + i)), y + i, false);
+  }
+  for (; i < D; ++i) {
+    const float n = E::scalar_load(x[i]) * r;
+    y[i] = gemma ? E::scalar_store(n * w[i])
+                 : E::scalar_store(E::scalar_load(E::scalar_store(n)) * w[i]);
+  }
+}
+
 template <class E>
 void RunBlockT(const CallPlan& plan, const Block& block) {
   using T = typename E::T;
@@ -440,6 +494,44 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     inv_freq = inv_freq_permuted.data();
   }
 #endif
+  // mRoPE (SPEC §7): each frequency's position row, in the table's order.
+  thread_local std::vector<uint8_t> axis, axis_permuted;
+  thread_local std::vector<double> pos_per_freq;
+  const uint8_t* axis_of = nullptr;
+  if (p.mrope) {
+    axis.assign(size_t(n), 0);
+    for (int64_t i = 0; i < R / 2; ++i)
+      axis[size_t(i)] = uint8_t(mrope_axis(p.mrope_section, p.mrope_interleaved, i));
+    axis_of = axis.data();
+#if HWY_TARGET != HWY_SCALAR
+    if (kBF16 && !p.interleaved) {
+      axis_permuted.resize(size_t(n));
+      PermuteForBF16(axis.data(), n, R / 2, axis_permuted.data());
+      axis_of = axis_permuted.data();
+    }
+#endif
+    if (pos_per_freq.size() < size_t(n)) pos_per_freq.resize(size_t(n));
+  }
+  Index pos_rows[3] = {p.positions, p.positions, p.positions};  // rows of [3, T]
+  for (int r = 1; r < 3 && p.mrope; ++r)
+    pos_rows[r].data = static_cast<const char*>(p.positions.data) +
+                       r * p.positions_row_stride * (p.positions.is_int64 ? 8 : 4);
+  // QK norm (SPEC §7): the weights as float32 ("gemma": 1 + w), and a head of scratch.
+  thread_local std::vector<float> norm_w;
+  thread_local std::vector<T> normed;
+  const bool q_norm = p.q_norm_weight != nullptr, k_norm = p.k_norm_weight != nullptr;
+  if (q_norm || k_norm) {
+    norm_w.resize(size_t(2 * D));
+    normed.resize(size_t(D));
+    for (int which = 0; which < 2; ++which) {
+      const void* w = which ? p.k_norm_weight : p.q_norm_weight;
+      if (!w) continue;
+      float* out = norm_w.data() + which * D;
+      PromoteRow(which ? p.k_norm_dtype : p.q_norm_dtype, w, out, D);
+      if (p.norm_gemma)
+        for (int64_t d = 0; d < D; ++d) out[d] = 1.0f + out[d];
+    }
+  }
   const bool dup_tables = p.interleaved && !kBF16;
   const float scale = static_cast<float>(p.attention_scaling);
   const bool stream = plan.stream_stores;
@@ -450,7 +542,13 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     return static_cast<T*>(r.data) + slot * r.page_stride + head * r.head_stride;
   };
   for (int64_t t = block.token_begin; t < block.token_end; ++t) {
-    SinCosTable(inv_freq, n, p.positions[t], scale, cos_t, sin_t);
+    if (axis_of) {
+      const double pos3[3] = {double(pos_rows[0][t]), double(pos_rows[1][t]),
+                              double(pos_rows[2][t])};
+      for (int64_t i = 0; i < n; ++i) pos_per_freq[size_t(i)] = pos3[axis_of[i]];
+    }
+    SinCosTable(inv_freq, n, p.positions[t], scale, cos_t, sin_t,
+                axis_of ? pos_per_freq.data() : nullptr);
     if (dup_tables) {
       for (int64_t i = 0; i < n; ++i) {
         cos_il[2 * i] = cos_il[2 * i + 1] = cos_t[i];
@@ -477,13 +575,21 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     };
     int64_t slot = p.slots[t];
     if (plan.pool_write_superseded && plan.pool_write_superseded[t]) slot = -1;
+    // SPEC §7: a normalised head is rotated from the scratch row.
+    auto norm = [&](const T* x, int which) -> const T* {
+      NormRow<E>(x, normed.data(), norm_w.data() + which * D, p.norm_eps, D, p.norm_gemma);
+      return normed.data();
+    };
     for (int64_t h = block.head_begin; h < block.head_end; ++h) {
       if (h < Hq) {
-        rotate(row(p.q, t, h), row(p.q_out, t, h), nullptr);
+        const T* x = row(p.q, t, h);
+        rotate(q_norm ? norm(x, 0) : x, row(p.q_out, t, h), nullptr);
         continue;
       }
       const int64_t kv = h - Hq;
-      rotate(row(p.k, t, kv), row(p.k_out, t, kv), slot >= 0 ? pool_row(p.k_pool, slot, kv) : nullptr);
+      const T* x = row(p.k, t, kv);
+      rotate(k_norm ? norm(x, 1) : x, row(p.k_out, t, kv),
+             slot >= 0 ? pool_row(p.k_pool, slot, kv) : nullptr);
       if (slot >= 0)
         CopyBytes(pool_row(p.v_pool, slot, kv), row(p.v, t, kv), size_t(D) * sizeof(T), stream);
     }
@@ -577,7 +683,7 @@ void run_block_hwy(const CallPlan& plan, const Block& block) {
 
 void sincos_table(const double* inv_freq, int64_t n, int64_t pos, float scale, float* cos_out,
                   float* sin_out) {
-  HWY_DYNAMIC_DISPATCH(SinCosTable)(inv_freq, n, pos, scale, cos_out, sin_out);
+  HWY_DYNAMIC_DISPATCH(SinCosTable)(inv_freq, n, pos, scale, cos_out, sin_out, nullptr);
 }
 
 void demote_row_hwy(DType dtype, const float* in, void* out, int64_t n) {

@@ -110,6 +110,11 @@ void set_index(const TensorView& v, int64_t t, int64_t value) {
 }
 
 TensorView token_slice(TensorView v, int64_t t0, int64_t n) {
+  if (v.ndim == 2) {  // mRoPE positions [3, T] (SPEC §7): slice the token dimension
+    v.data = static_cast<char*>(v.data) + t0 * v.strides[1] * int64_t(dtype_size(v.dtype));
+    v.shape[1] = n;
+    return v;
+  }
   v.data = element(v, t0);
   v.shape[0] = n;
   return v;
@@ -587,14 +592,42 @@ CheckStats check_rotation(const char* name, const TensorView& x, const TensorVie
       const int64_t b = t_begin + c * tokens_per_chunk;
       const int64_t e = std::min(t_end, b + tokens_per_chunk);
       const TensorView xs = token_slice(x, b, e - b), os = token_slice(out, b, e - b);
+      // SPEC §7: with a norm, the rotation's input is the normalised head (float64
+      // reference, rounded where §7 rounds), and a pair may differ by the one ulp a
+      // rounding midpoint allows (times w for "rms") in each of its normalised inputs.
+      std::vector<double> normed;
+      std::vector<double> w;
+      if (how.norm_weight) {
+        normed = reference::normalize(xs, *how.norm_weight, how.norm_eps, how.norm_gemma);
+        w.resize(size_t(D));
+        for (int64_t d = 0; d < D; ++d) {
+          const TensorView& wv = *how.norm_weight;
+          TensorView one = wv;
+          one.data = static_cast<char*>(wv.data) + d * wv.strides[0] * int64_t(dtype_size(wv.dtype));
+          one.ndim = 3, one.shape[0] = one.shape[1] = one.shape[2] = 1;
+          w[size_t(d)] = load(one, 0, 0, 0);
+        }
+      }
+      auto input = [&](int64_t t, int64_t h, int64_t d) {
+        return how.norm_weight ? normed[size_t((t * H + h) * D + d)] : load(xs, t, h, d);
+      };
+      auto midpoint_ulp = [&](int64_t t, int64_t h, int64_t d) {
+        if (!how.norm_weight) return 0.0;
+        const double y = std::abs(input(t, h, d));
+        const double n_ulp = reference::tolerance(x.dtype, how.norm_gemma ? y : y / std::abs(w[size_t(d)]), 0);
+        return how.norm_gemma ? n_ulp : n_ulp * std::abs(w[size_t(d)]) + reference::tolerance(x.dtype, y, 0);
+      };
       const std::vector<double> exact =
-          reference::rotate(xs, token_slice(positions, b, e - b), schedule, interleaved);
+          how.norm_weight
+              ? reference::rotate(normed, e - b, H, D, token_slice(positions, b, e - b), schedule, interleaved)
+              : reference::rotate(xs, token_slice(positions, b, e - b), schedule, interleaved);
       for (int64_t t = 0; t < e - b; ++t)
         for (int64_t h = 0; h < H; ++h)
           for (int64_t d = 0; d < D; ++d) {
             const double want = exact[size_t((t * H + h) * D + d)];
             const double got = load(os, t, h, d);
-            double tol = 0;  // elements past rotary_dim are copied exactly
+            // elements past rotary_dim are copied exactly (normalised: up to the midpoint ulp)
+            double tol = d < R ? 0 : midpoint_ulp(t, h, d);
             bool ok;
             if (std::isnan(want)) {
               ok = std::isnan(got);
@@ -604,8 +637,9 @@ CheckStats check_rotation(const char* name, const TensorView& x, const TensorVie
               if (d < R) {
                 // the pair's inputs: (d, d +- R/2) NeoX, (d, d ^ 1) GPT-J
                 const int64_t other = interleaved ? (d ^ 1) : d < half ? d + half : d - half;
-                const double pair = std::abs(load(xs, t, h, d)) + std::abs(load(xs, t, h, other));
-                tol = reference::tolerance(out.dtype, want, pair);
+                const double pair = std::abs(input(t, h, d)) + std::abs(input(t, h, other));
+                tol = reference::tolerance(out.dtype, want, pair) + midpoint_ulp(t, h, d) +
+                      midpoint_ulp(t, h, other);
                 if (how.round_to_nearest && out.dtype != DType::Float32) {
                   const double float32_term = std::ldexp(pair, -18);
                   tol = 0.5 * reference::tolerance(out.dtype, std::abs(want) + float32_term, 0) +

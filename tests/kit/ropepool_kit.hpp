@@ -305,6 +305,10 @@ struct RotationCheck {
   bool round_to_nearest = false;
   int threads = 1;
   int64_t t_begin = 0, t_end = -1;  // -1: every token
+  /// SPEC §7: x is normalised with this [D] weight before the rotation (nullptr: no norm).
+  const TensorView* norm_weight = nullptr;
+  double norm_eps = 1e-6;
+  bool norm_gemma = false;
 };
 
 /// Checks every element of `out` against the float64 rotation of `x` (the op's input) under
