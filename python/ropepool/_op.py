@@ -8,7 +8,7 @@ CUDA stream, and returns the caller's own pool objects.
 from __future__ import annotations
 
 import sys
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from ropepool._schedule import RopeSchedule, _int, _real, _rotary_dim, rope_schedule
 
@@ -46,6 +46,12 @@ def rope_pool_fused(
     schedule: Optional["RopeSchedule"] = None,
     inplace: bool = False,
     check_slots: bool = False,
+    q_norm_weight: Any = None,
+    k_norm_weight: Any = None,
+    norm_eps: Optional[float] = None,
+    norm_style: Optional[str] = None,
+    mrope_section: Optional[Sequence[int]] = None,
+    mrope_interleaved: Optional[bool] = None,
 ) -> Tuple[Any, Any, Any, Any]:
     """Applies RoPE to q and k and writes rotated k and v into the KV-cache pools.
 
@@ -80,6 +86,16 @@ def rope_pool_fused(
         inplace: write q_rot/k_rot into q and k and return them as q_rot/k_rot.
         check_slots: also reject two tokens writing the same slot (otherwise the row ends
             up holding one of those tokens' complete rows).
+        q_norm_weight, k_norm_weight: SPEC §7's per-head RMSNorm before RoPE (Qwen3,
+            Gemma 3): ``[head_dim]`` weights (q's dtype or float32, q's device), either or
+            both; the pool receives the normalised, rotated k (v is never normalised).
+        norm_eps: the norm's epsilon (default 1e-6; ``config.rms_norm_eps``).
+        norm_style: ``"rms"`` (default; transformers' Qwen3RMSNorm: ``w * x``) or
+            ``"gemma"`` (Gemma3RMSNorm: ``(1 + w) * x``, float32 throughout).
+        mrope_section: multimodal RoPE (SPEC §7; Qwen2-VL, Qwen2.5-VL, Qwen3-VL):
+            ``[s_t, s_h, s_w]`` summing to ``rotary_dim/2``; positions are then ``[3, T]``
+            (temporal, height, width rows). Also read from ``rope_scaling``.
+        mrope_interleaved: Qwen3-VL's interleaved axis order (default False).
 
     Returns:
         ``(q_rot, k_rot, k_pool, v_pool)``: q_rot and k_rot are new contiguous arrays of
@@ -92,10 +108,14 @@ def rope_pool_fused(
     for backend failures. Nothing is written when an error is raised.
     """
     tensors = (q, k, v, positions, slots, k_pool, v_pool)
-    head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, sched_freqs, sched_scale = \
+    (head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, sched_freqs, sched_scale,
+     sched_section, sched_interleaved) = \
         _scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, rope_scaling,
                  max_position_embeddings, original_max_position_embeddings, seq_len, inv_freq,
-                 attention_scaling, schedule)
+                 attention_scaling, schedule, mrope_section, mrope_interleaved)
+    norm_eps, norm_style = _norm_scalars(norm_eps, norm_style)
+    fusion = (q_norm_weight, k_norm_weight, norm_eps, norm_style, sched_section,
+              sched_interleaved)
     check_slots = bool(check_slots)
     interleaved = bool(interleaved)
     inplace = bool(inplace)
@@ -104,9 +124,14 @@ def rope_pool_fused(
             and isinstance(v, torch.Tensor) and isinstance(positions, torch.Tensor) \
             and isinstance(slots, torch.Tensor) and isinstance(k_pool, torch.Tensor) \
             and isinstance(v_pool, torch.Tensor):
+        if any(w is not None and not isinstance(w, torch.Tensor)
+               for w in (q_norm_weight, k_norm_weight)):
+            raise TypeError("rope_pool_fused: q_norm_weight/k_norm_weight must be "
+                            "torch.Tensors when the other arguments are")
         scalars = (head_dim, num_qo_heads, num_kv_heads, rope_base, check_slots, rotary_dim,
-                   interleaved, sched_freqs, sched_scale)
-        if _plain_eager(tensors):
+                   interleaved, sched_freqs, sched_scale) + fusion
+        if _plain_eager(tensors) and _plain_eager(
+                tuple(w for w in (q_norm_weight, k_norm_weight) if w is not None)):
             # Eager calls on plain tensors run the op's own kernel function directly: the
             # same code the dispatcher would reach, without its ~10 us of Python dispatch,
             # which is most of a decode step's host time.
@@ -123,11 +148,11 @@ def rope_pool_fused(
             torch.ops.ropepool.rope_pool_fused_(
                 q, k, v, positions, slots, k_pool, v_pool, head_dim, num_qo_heads,
                 num_kv_heads, rope_base, check_slots, rotary_dim, interleaved, sched_freqs,
-                sched_scale)
+                sched_scale, *fusion)
             return q, k, k_pool, v_pool
         q_rot, k_rot = torch.ops.ropepool.rope_pool_fused(
             q, k, v, positions, slots, k_pool, v_pool, head_dim, num_qo_heads, num_kv_heads,
-            rope_base, check_slots, rotary_dim, interleaved, sched_freqs, sched_scale,
+            rope_base, check_slots, rotary_dim, interleaved, sched_freqs, sched_scale, *fusion,
         )
         return q_rot, k_rot, k_pool, v_pool
     if torch is not None and any(isinstance(t, torch.Tensor) for t in tensors):
@@ -145,18 +170,36 @@ def rope_pool_fused(
         head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         rope_base=rope_base, check_slots=check_slots, stream=0, rotary_dim=rotary_dim,
         interleaved=interleaved, schedule_inv_freq=sched_freqs,
-        schedule_attention_scaling=sched_scale,
+        schedule_attention_scaling=sched_scale, **_fusion_kwargs(fusion),
     )
     return q_rot, k_rot, k_pool, v_pool
 
 
 _SCHEDULE_KEYWORDS = ("rope_scaling", "inv_freq", "attention_scaling", "max_position_embeddings",
-                      "original_max_position_embeddings", "seq_len")
+                      "original_max_position_embeddings", "seq_len", "mrope_section",
+                      "mrope_interleaved")
+
+
+def _fusion_kwargs(fusion):
+    """SPEC §7's keywords as the binding takes them."""
+    q_w, k_w, eps, style, section, interleaved = fusion
+    return dict(q_norm_weight=q_w, k_norm_weight=k_w, norm_eps=eps, norm_style=style,
+                mrope_section=section, mrope_interleaved=interleaved)
+
+
+def _norm_scalars(norm_eps, norm_style):
+    """Python types of the norm keywords (their values are checked by the core)."""
+    if norm_eps is not None:
+        norm_eps = _real("norm_eps", norm_eps)
+    if norm_style is not None and not isinstance(norm_style, str):
+        raise TypeError("rope_pool_fused: norm_style must be a str ('rms' or 'gemma'), got "
+                        f"{type(norm_style).__name__}")
+    return norm_eps, norm_style
 
 
 def _scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, rope_scaling,
              max_position_embeddings, original_max_position_embeddings, seq_len, inv_freq,
-             attention_scaling, schedule):
+             attention_scaling, schedule, mrope_section=None, mrope_interleaved=None):
     """The keyword arguments as the core takes them: Python types checked (bools are not
     numbers), the schedule made or checked against the call."""
     head_dim = _int("head_dim", head_dim)
@@ -168,13 +211,15 @@ def _scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, rope_s
              "attention_scaling": attention_scaling,
              "max_position_embeddings": max_position_embeddings,
              "original_max_position_embeddings": original_max_position_embeddings,
-             "seq_len": seq_len}
+             "seq_len": seq_len, "mrope_section": mrope_section,
+             "mrope_interleaved": mrope_interleaved}
     if schedule is None and any(v is not None for v in given.values()):
         schedule = rope_schedule(
             head_dim=head_dim, rope_base=rope_base, rotary_dim=rotary_dim or None,
             rope_scaling=rope_scaling, max_position_embeddings=max_position_embeddings,
             original_max_position_embeddings=original_max_position_embeddings,
-            seq_len=seq_len, inv_freq=inv_freq, attention_scaling=attention_scaling)
+            seq_len=seq_len, inv_freq=inv_freq, attention_scaling=attention_scaling,
+            mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
     elif schedule is not None:
         if not isinstance(schedule, RopeSchedule):
             raise TypeError("rope_pool_fused: schedule must be a ropepool.RopeSchedule, got "
@@ -190,9 +235,12 @@ def _scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, rope_s
             err.add_note("pass the rope_base the schedule was made with (or make a new schedule)")
             raise err
     if schedule is None:
-        return head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, None, 1.0
+        return head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, None, 1.0, None, False
+    section = getattr(schedule, "mrope_section", None)
     return (head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim,
-            list(schedule.inv_freq), schedule.attention_scaling)
+            list(schedule.inv_freq), schedule.attention_scaling,
+            None if section is None else list(section),
+            bool(getattr(schedule, "mrope_interleaved", False)))
 
 
 def validate_rope_pool(
@@ -219,6 +267,12 @@ def validate_rope_pool(
     schedule: Optional["RopeSchedule"] = None,
     inplace: bool = False,
     check_slots: bool = False,
+    q_norm_weight: Any = None,
+    k_norm_weight: Any = None,
+    norm_eps: Optional[float] = None,
+    norm_style: Optional[str] = None,
+    mrope_section: Optional[Sequence[int]] = None,
+    mrope_interleaved: Optional[bool] = None,
 ) -> None:
     """Only the validation of :func:`rope_pool_fused`, with its exact arguments: raises the
     same error the op would for this call, writes nothing, never waits for a device.
@@ -227,10 +281,14 @@ def validate_rope_pool(
     an out-of-range slot is reported by the op itself, SPEC §3). q_rot/k_rot are allocated
     as the op would (their overlap with the inputs is part of the check).
     """
-    head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, sched_freqs, sched_scale = \
+    (head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, sched_freqs, sched_scale,
+     sched_section, sched_interleaved) = \
         _scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, rope_scaling,
                  max_position_embeddings, original_max_position_embeddings, seq_len, inv_freq,
-                 attention_scaling, schedule)
+                 attention_scaling, schedule, mrope_section, mrope_interleaved)
+    norm_eps, norm_style = _norm_scalars(norm_eps, norm_style)
+    fusion = (q_norm_weight, k_norm_weight, norm_eps, norm_style, sched_section,
+              sched_interleaved)
     tensors = (q, k, v, positions, slots, k_pool, v_pool)
     is_torch = torch is not None and all(isinstance(t, torch.Tensor) for t in tensors)
     if inplace:
@@ -244,7 +302,7 @@ def validate_rope_pool(
         head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         rope_base=rope_base, check_slots=bool(check_slots), stream=0, rotary_dim=rotary_dim,
         interleaved=bool(interleaved), schedule_inv_freq=sched_freqs,
-        schedule_attention_scaling=sched_scale, validate_only=True,
+        schedule_attention_scaling=sched_scale, validate_only=True, **_fusion_kwargs(fusion),
         exporter=_to_dlpack if is_torch else None)
 
 
@@ -292,7 +350,10 @@ if torch is not None:
     # into a graph; `rope_pool_fused_` is the in-place variant (q and k mutated too).
     _SCHEMA_TAIL = ("int head_dim, int num_qo_heads, int num_kv_heads, float rope_base, "
                     "bool check_slots=False, int rotary_dim=0, bool interleaved=False, "
-                    "float[]? inv_freq=None, float attention_scaling=1.0)")
+                    "float[]? inv_freq=None, float attention_scaling=1.0, "
+                    "Tensor? q_norm_weight=None, Tensor? k_norm_weight=None, "
+                    "float? norm_eps=None, str? norm_style=None, int[]? mrope_section=None, "
+                    "bool mrope_interleaved=False)")
     _LIB.define(
         "rope_pool_fused(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor slots, "
         "Tensor(a!) k_pool, Tensor(b!) v_pool, " + _SCHEMA_TAIL + " -> (Tensor, Tensor)"
@@ -310,13 +371,17 @@ if torch is not None:
 
     def _run(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, head_dim,
              num_qo_heads, num_kv_heads, rope_base, check_slots=False, rotary_dim=0,
-             interleaved=False, inv_freq=None, attention_scaling=1.0):
+             interleaved=False, inv_freq=None, attention_scaling=1.0, q_norm_weight=None,
+             k_norm_weight=None, norm_eps=None, norm_style=None, mrope_section=None,
+             mrope_interleaved=False):
         # (the dispatcher leaves trailing schema defaults out of the call)
         args = (q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot)
         kwargs = dict(head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                       rope_base=rope_base, check_slots=check_slots, exporter=_to_dlpack,
                       rotary_dim=rotary_dim, interleaved=interleaved,
-                      schedule_inv_freq=inv_freq, schedule_attention_scaling=attention_scaling)
+                      schedule_inv_freq=inv_freq, schedule_attention_scaling=attention_scaling,
+                      **_fusion_kwargs((q_norm_weight, k_norm_weight, norm_eps, norm_style,
+                                        mrope_section, mrope_interleaved)))
         if q.is_cuda:
             # The kernel runs on torch's current stream of q's device, like any torch op
             # (and so inside CUDA-graph capture).

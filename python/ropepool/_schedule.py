@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import operator
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from ropepool import _ropepool
 
@@ -26,13 +26,17 @@ class RopeSchedule:
     ``inv_freq`` holds ``rotary_dim/2`` inverse frequencies in float64;
     ``attention_scaling`` multiplies cos and sin (YaRN's / LongRoPE's mscale);
     ``rope_base`` is the base it was made from: a call passing the schedule must pass the
-    same ``rope_base`` (a disagreement is an error, SPEC §4).
+    same ``rope_base`` (a disagreement is an error, SPEC §4). ``mrope_section`` (None, or
+    ``(s_t, s_h, s_w)``) and ``mrope_interleaved`` are multimodal RoPE (SPEC §7): a call
+    with such a schedule takes positions ``[3, T]``.
     """
 
     rotary_dim: int
     inv_freq: Tuple[float, ...]
     attention_scaling: float
     rope_base: float = 0.0
+    mrope_section: Optional[Tuple[int, ...]] = None
+    mrope_interleaved: bool = False
 
 
 def _is_real(x: Any) -> bool:
@@ -115,6 +119,8 @@ def rope_schedule(
     seq_len: Optional[int] = None,
     inv_freq: Any = None,
     attention_scaling: Optional[float] = None,
+    mrope_section: Optional[Sequence[int]] = None,
+    mrope_interleaved: Optional[bool] = None,
 ) -> RopeSchedule:
     """The inverse frequencies and attention factor ropepool will use (SPEC §4).
 
@@ -141,7 +147,10 @@ def rope_schedule(
     as transformers does (``max(position) + 1`` over the sequences in the batch); make a
     new schedule when it crosses the threshold. ``inv_freq`` (a CPU float32 array of
     ``rotary_dim/2`` entries) replaces all of this; ``attention_scaling`` replaces the
-    schedule's own factor. Raises ValueError for a malformed dict or values, TypeError for
+    schedule's own factor. ``mrope_section`` (``[s_t, s_h, s_w]`` summing to
+    ``rotary_dim/2``) and ``mrope_interleaved`` (Qwen3-VL) make it a multimodal schedule
+    (SPEC §7); the same keys inside ``rope_scaling`` work too (given in both places they
+    must agree). Raises ValueError for a malformed dict or values, TypeError for
     arguments of the wrong Python type.
     """
     head_dim = _int("head_dim", head_dim)
@@ -154,7 +163,17 @@ def rope_schedule(
         entries = [_entry(k, v) for k, v in rope_scaling.items()]
     if attention_scaling is not None:
         attention_scaling = _real("attention_scaling", attention_scaling)
-    rotary, freqs, scale, base = _ropepool.rope_schedule(
+    if mrope_section is not None:
+        if isinstance(mrope_section, (str, bytes)) or not hasattr(mrope_section, "__iter__"):
+            raise TypeError("rope_pool_fused: mrope_section must be a list of three integers, "
+                            f"got {type(mrope_section).__name__}")
+        mrope_section = [_int("mrope_section entries", x) for x in mrope_section]
+    if mrope_interleaved is not None:
+        if not _is_bool(mrope_interleaved):
+            raise TypeError("rope_pool_fused: mrope_interleaved must be a bool, got "
+                            f"{type(mrope_interleaved).__name__}")
+        mrope_interleaved = bool(mrope_interleaved)
+    rotary, freqs, scale, base, section, interleaved = _ropepool.rope_schedule(
         head_dim=head_dim, rope_base=rope_base, rotary_dim=_rotary_dim(rotary_dim, head_dim),
         rope_scaling=entries,
         max_position_embeddings=None if max_position_embeddings is None
@@ -162,6 +181,9 @@ def rope_schedule(
         original_max_position_embeddings=None if original_max_position_embeddings is None
         else _int("original_max_position_embeddings", original_max_position_embeddings),
         seq_len=None if seq_len is None else _int("seq_len", seq_len),
-        inv_freq=inv_freq, attention_scaling=attention_scaling)
+        inv_freq=inv_freq, attention_scaling=attention_scaling,
+        mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
     return RopeSchedule(rotary_dim=rotary, inv_freq=tuple(freqs), attention_scaling=scale,
-                        rope_base=base)
+                        rope_base=base,
+                        mrope_section=None if section is None else tuple(section),
+                        mrope_interleaved=interleaved)

@@ -193,7 +193,11 @@ void rope_pool_fused_into(nb::handle q, nb::handle k, nb::handle v, nb::handle p
                           bool check_slots, uintptr_t stream, nb::handle exporter,
                           int64_t rotary_dim, bool interleaved,
                           std::optional<std::vector<double>> schedule_inv_freq,
-                          double schedule_attention_scaling, bool validate_only) {
+                          double schedule_attention_scaling, bool validate_only,
+                          nb::handle q_norm_weight, nb::handle k_norm_weight,
+                          std::optional<double> norm_eps, std::optional<std::string> norm_style,
+                          std::optional<std::vector<int64_t>> mrope_section,
+                          bool mrope_interleaved) {
   const std::array<nb::handle, 9> objects = {q, k, v, positions, slots, k_pool, v_pool,
                                              q_out, k_out};
   // The imported arrays hold references to the producers' buffers for the whole call.
@@ -234,8 +238,25 @@ void rope_pool_fused_into(nb::handle q, nb::handle k, nb::handle v, nb::handle p
     schedule.rotary_dim = 2 * int64_t(schedule_inv_freq->size());
     schedule.inv_freq = std::move(*schedule_inv_freq);
     schedule.attention_scaling = schedule_attention_scaling;
+    if (mrope_section) schedule.mrope_section = *mrope_section;
+    schedule.mrope_interleaved = mrope_interleaved;
     params.schedule = &schedule;
+  } else {
+    if (mrope_section) params.rope_scaling.mrope_section = *mrope_section;
+    params.rope_scaling.mrope_interleaved = mrope_interleaved;
   }
+  // SPEC §7: the norm weights are inputs like q (read-only, never copied).
+  std::array<ReadArray, 2> norm_weights;
+  if (!q_norm_weight.is_none()) {
+    norm_weights[0] = import_array<ReadArray>(q_norm_weight, "q_norm_weight", false, exporter);
+    params.q_norm_weight = to_view(norm_weights[0]);
+  }
+  if (!k_norm_weight.is_none()) {
+    norm_weights[1] = import_array<ReadArray>(k_norm_weight, "k_norm_weight", false, exporter);
+    params.k_norm_weight = to_view(norm_weights[1]);
+  }
+  params.norm_eps = norm_eps;
+  params.norm_style = std::move(norm_style);
 
   CallOptions options;
   options.check_slots = check_slots;
@@ -266,7 +287,9 @@ nb::tuple rope_schedule(int64_t head_dim, double rope_base, int64_t rotary_dim,
                         std::optional<int64_t> max_position_embeddings,
                         std::optional<int64_t> original_max_position_embeddings,
                         std::optional<int64_t> seq_len, nb::handle inv_freq,
-                        std::optional<double> attention_scaling) {
+                        std::optional<double> attention_scaling,
+                        std::optional<std::vector<int64_t>> mrope_section,
+                        std::optional<bool> mrope_interleaved) {
   RopePoolParams params;
   params.head_dim = head_dim;
   params.rope_base = rope_base;
@@ -284,12 +307,16 @@ nb::tuple rope_schedule(int64_t head_dim, double rope_base, int64_t rotary_dim,
   context.max_position_embeddings = max_position_embeddings;
   context.original_max_position_embeddings = original_max_position_embeddings;
   context.seq_len = seq_len;
+  context.mrope_section = std::move(mrope_section);
+  context.mrope_interleaved = mrope_interleaved;
   const bool has_table = !inv_freq.is_none();
   if (has_table && !rope_scaling) {
     // Next to an inv_freq table these lengths are unused: make_rope_schedule says so.
     params.rope_scaling.max_position_embeddings = max_position_embeddings;
     params.rope_scaling.original_max_position_embeddings = original_max_position_embeddings;
     params.rope_scaling.seq_len = seq_len;
+    if (context.mrope_section) params.rope_scaling.mrope_section = *context.mrope_section;
+    params.rope_scaling.mrope_interleaved = context.mrope_interleaved.value_or(false);
   } else {
     params.rope_scaling = parse_rope_scaling(entries, context);
   }
@@ -302,7 +329,14 @@ nb::tuple rope_schedule(int64_t head_dim, double rope_base, int64_t rotary_dim,
   const RopeSchedule schedule = make_rope_schedule(params);
   nb::list freqs;
   for (double f : schedule.inv_freq) freqs.append(f);
-  return nb::make_tuple(schedule.rotary_dim, freqs, schedule.attention_scaling, schedule.rope_base);
+  nb::object section = nb::none();
+  if (!schedule.mrope_section.empty()) {
+    nb::list l;
+    for (int64_t x : schedule.mrope_section) l.append(x);
+    section = l;
+  }
+  return nb::make_tuple(schedule.rotary_dim, freqs, schedule.attention_scaling, schedule.rope_base,
+                        section, schedule.mrope_interleaved);
 }
 
 }  // namespace
@@ -313,7 +347,9 @@ void init_rope_pool(nb::module_& m) {
         "max_position_embeddings"_a = nb::none(),
         "original_max_position_embeddings"_a = nb::none(), "seq_len"_a = nb::none(),
         "inv_freq"_a = nb::none(), "attention_scaling"_a = nb::none(),
-        "Low-level: (rotary_dim, inv_freq as a list of floats, attention_scaling, rope_base) "
+        "mrope_section"_a = nb::none(), "mrope_interleaved"_a = nb::none(),
+        "Low-level: (rotary_dim, inv_freq as a list of floats, attention_scaling, rope_base, "
+        "mrope_section or None, mrope_interleaved) "
         "of a schedule (C++ parse_rope_scaling + make_rope_schedule); rope_scaling is a list "
         "of normalised entries. Use ropepool.rope_schedule instead.");
 
@@ -323,13 +359,19 @@ void init_rope_pool(nb::module_& m) {
         "check_slots"_a = false, "stream"_a = 0, "exporter"_a = nb::none(),
         "rotary_dim"_a = 0, "interleaved"_a = false, "schedule_inv_freq"_a = nb::none(),
         "schedule_attention_scaling"_a = 1.0, "validate_only"_a = false,
+        "q_norm_weight"_a = nb::none(), "k_norm_weight"_a = nb::none(),
+        "norm_eps"_a = nb::none(), "norm_style"_a = nb::none(), "mrope_section"_a = nb::none(),
+        "mrope_interleaved"_a = false,
         nb::sig("def rope_pool_fused_into(q: object, k: object, v: object, "
                 "positions: object, slots: object, k_pool: object, v_pool: object, "
                 "q_out: object, k_out: object, *, head_dim: int, num_qo_heads: int, "
                 "num_kv_heads: int, rope_base: float, check_slots: bool = False, "
                 "stream: int = 0, exporter: object = None, rotary_dim: int = 0, "
                 "interleaved: bool = False, schedule_inv_freq: list[float] | None = None, "
-                "schedule_attention_scaling: float = 1.0, validate_only: bool = False) -> None"),
+                "schedule_attention_scaling: float = 1.0, validate_only: bool = False, "
+                "q_norm_weight: object = None, k_norm_weight: object = None, "
+                "norm_eps: float | None = None, norm_style: str | None = None, "
+                "mrope_section: list[int] | None = None, mrope_interleaved: bool = False) -> None"),
         R"doc(Low-level entry point: rotates q and k into the caller-allocated q_out/k_out
 and writes rotated k and v into k_pool/v_pool (SPEC §1), all in place.
 
@@ -339,7 +381,9 @@ stream); the caller must have made the arrays' device current. `exporter(x)`, if
 returns a DLPack capsule for x (a faster route than x.__dlpack__()); messages still print
 shapes from the objects themselves. `schedule_inv_freq`/`schedule_attention_scaling`, when
 given, are a precomputed schedule (from rope_schedule) for rotary_dim; q_out/k_out may be
-q/k themselves (in-place rotation). With `validate_only`, only the validation runs
+q/k themselves (in-place rotation); `mrope_section`/`mrope_interleaved` belong to that
+schedule (SPEC §7), and `q_norm_weight`, `k_norm_weight`, `norm_eps`, `norm_style` are
+SPEC §7's norm keywords. With `validate_only`, only the validation runs
 (validate_rope_pool): the same errors, nothing written. Raises ValueError with the
 SPEC §2 messages (extra help in the exception's notes) and RuntimeError for backend
 failures. Most callers want `ropepool.rope_pool_fused`.)doc");

@@ -46,7 +46,11 @@ def test_signature_is_explicit_and_keyword_only():
                             "rope_base": empty, "rotary_dim": None, "interleaved": False,
                             "rope_scaling": None, "max_position_embeddings": None,
                             "original_max_position_embeddings": None, "seq_len": None, "inv_freq": None, "attention_scaling": None,
-                            "schedule": None, "inplace": False, "check_slots": False}
+                            "schedule": None, "inplace": False, "check_slots": False,
+                            # SPEC §7
+                            "q_norm_weight": None, "k_norm_weight": None, "norm_eps": None,
+                            "norm_style": None, "mrope_section": None,
+                            "mrope_interleaved": None}
     for fn in (ropepool.rope_pool_fused, ropepool.set_num_threads, ropepool.get_num_threads):
         assert fn.__doc__ and len(fn.__doc__) > 40
 

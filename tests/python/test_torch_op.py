@@ -23,7 +23,9 @@ def test_registered_as_custom_op():
     written = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
     assert written == ["k_pool", "v_pool"], str(schema)
     scalars = ["head_dim", "num_qo_heads", "num_kv_heads", "rope_base", "check_slots",
-               "rotary_dim", "interleaved", "inv_freq", "attention_scaling"]
+               "rotary_dim", "interleaved", "inv_freq", "attention_scaling",
+               "q_norm_weight", "k_norm_weight", "norm_eps", "norm_style", "mrope_section",
+               "mrope_interleaved"]
     assert [a.name for a in schema.arguments] == [
         "q", "k", "v", "positions", "slots", "k_pool", "v_pool", *scalars]
     assert len(schema.returns) == 2 and all(r.alias_info is None for r in schema.returns)
