@@ -37,7 +37,17 @@ struct BenchConfig {
   double skip_fraction = 0.05;  // share of tokens with slot -1 (no pool write)
   uint64_t seed = 20240601;
   std::string json_path;
+  // SPEC §7: --qk-norm (q and k weights in the input dtype, Qwen3's "rms" style) and
+  // --mrope (positions [3, T], Qwen2-VL's sections scaled to head_dim).
+  bool qk_norm = false;
+  bool mrope = false;
 };
+
+// Qwen2-VL's [16, 24, 24] for head_dim 128, scaled to another head_dim (summing to D/2).
+std::vector<int64_t> mrope_section_for(int64_t head_dim) {
+  const int64_t half = head_dim / 2, t = half / 4, h = (half - t) / 2;
+  return {t, h, half - t - h};
+}
 
 struct Percentiles {
   double median = 0, p10 = 0, p90 = 0, min = 0;
@@ -118,15 +128,29 @@ const char* stage_prefix = "[ropepool bench]";
 constexpr int64_t kMaxAutoCalls = 1000000;
 
 TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
-  const RopePoolParams& p = cfg.params;
+  RopePoolParams p = cfg.params;
   const int64_t Hq = p.num_qo_heads, Hk = p.num_kv_heads, D = p.head_dim;
   const size_t es = dtype_size(cfg.dtype), is = dtype_size(cfg.index_dtype);
+  const int64_t position_rows = cfg.mrope ? 3 : 1;
+  // SPEC §7: the norm weights (in q's dtype, around 1 as trained ones are) and mRoPE.
+  HostBuffer q_norm_w("q_norm_weight", cfg.dtype, D, 0), k_norm_w("k_norm_weight", cfg.dtype, D, 0);
+  const TensorView q_norm_view = TensorView::contiguous(q_norm_w.data(), cfg.dtype, {D});
+  const TensorView k_norm_view = TensorView::contiguous(k_norm_w.data(), cfg.dtype, {D});
+  if (cfg.qk_norm) {
+    fill_uniform(q_norm_w.data(), cfg.dtype, D, counter_bits(cfg.seed, 7), 0.5, 1.5, 1);
+    fill_uniform(k_norm_w.data(), cfg.dtype, D, counter_bits(cfg.seed, 8), 0.5, 1.5, 1);
+    p.q_norm_weight = q_norm_view;
+    p.k_norm_weight = k_norm_view;
+    p.norm_eps = 1e-6;
+  }
+  if (cfg.mrope) p.rope_scaling.mrope_section = mrope_section_for(D);
   const int threads = cfg.threads;
   TokenResult r;
   r.tokens = T;
   r.pool_slots = std::max(cfg.min_pool_slots, 4 * T);
   r.bytes_per_call =
-      double(T) * double(D * int64_t(es) * (2 * Hq + 5 * Hk)) + double(T * 2 * int64_t(is));
+      double(T) * double(D * int64_t(es) * (2 * Hq + 5 * Hk)) +
+      double(T * (position_rows + 1) * int64_t(is)) + (cfg.qk_norm ? double(2 * D * int64_t(es)) : 0);
   const size_t set_bytes =
       size_t(T) * size_t(D) * es * size_t(2 * Hq + 3 * Hk) + size_t(T) * 2 * is;
   // Rotate among input sets so a small call does not find its inputs already in cache.
@@ -157,7 +181,7 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
     in.v = std::make_unique<HostBuffer>("v", cfg.dtype, T * Hk * D, 0);
     in.q_out = std::make_unique<HostBuffer>("q_out", cfg.dtype, T * Hq * D, 0);
     in.k_out = std::make_unique<HostBuffer>("k_out", cfg.dtype, T * Hk * D, 0);
-    in.positions = std::make_unique<HostBuffer>("positions", cfg.index_dtype, T, 0);
+    in.positions = std::make_unique<HostBuffer>("positions", cfg.index_dtype, position_rows * T, 0);
     in.slots = std::make_unique<HostBuffer>("slots", cfg.index_dtype, T, 0);
     fill_uniform(in.q->data(), cfg.dtype, T * Hq * D, in.seed + 1, -4, 4, threads);
     fill_uniform(in.k->data(), cfg.dtype, T * Hk * D, in.seed + 2, -4, 4, threads);
@@ -169,9 +193,12 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
         std::memset(out->base() + b, 0xff, size_t(e - b));
       });
     // Distinct random slots within a call (P >= 4T keeps rejection cheap), some skipped.
-    std::vector<int64_t> slot(static_cast<size_t>(T)), pos(static_cast<size_t>(T));
+    std::vector<int64_t> slot(static_cast<size_t>(T)), pos(static_cast<size_t>(position_rows * T));
     for (int64_t t = 0; t < T; ++t) {
       pos[size_t(t)] = int64_t(rng.below(uint64_t(cfg.max_position)));
+      // mRoPE: height and width rows a little apart from the temporal one (image patches)
+      for (int64_t row = 1; row < position_rows; ++row)
+        pos[size_t(row * T + t)] = pos[size_t(t)] + int64_t(rng.below(64));
       if (rng.chance(cfg.skip_fraction)) {
         slot[size_t(t)] = -1;
         continue;
@@ -186,12 +213,16 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
       if (sl >= 0) taken[size_t(sl)] = 0;
     for (int64_t t = 0; t < T; ++t) {
       if (is == 8) {
-        static_cast<int64_t*>(in.positions->data())[t] = pos[size_t(t)];
         static_cast<int64_t*>(in.slots->data())[t] = slot[size_t(t)];
       } else {
-        static_cast<int32_t*>(in.positions->data())[t] = int32_t(pos[size_t(t)]);
         static_cast<int32_t*>(in.slots->data())[t] = int32_t(slot[size_t(t)]);
       }
+    }
+    for (int64_t i = 0; i < position_rows * T; ++i) {
+      if (is == 8)
+        static_cast<int64_t*>(in.positions->data())[i] = pos[size_t(i)];
+      else
+        static_cast<int32_t*>(in.positions->data())[i] = int32_t(pos[size_t(i)]);
     }
     RopePoolTensors& tv = in.tensors;
     tv.q = in.q->contiguous({T, Hq, D});
@@ -199,7 +230,7 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
     tv.v = in.v->contiguous({T, Hk, D});
     tv.q_out = in.q_out->contiguous({T, Hq, D});
     tv.k_out = in.k_out->contiguous({T, Hk, D});
-    tv.positions = in.positions->contiguous({T});
+    tv.positions = cfg.mrope ? in.positions->contiguous({3, T}) : in.positions->contiguous({T});
     tv.slots = in.slots->contiguous({T});
     tv.k_pool = k_pool_view;
     tv.v_pool = v_pool_view;
@@ -217,7 +248,10 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
     rope_pool_fused(tv, p);
     RotationCheck how;
     how.threads = threads;
+    how.norm_eps = p.norm_eps.value_or(1e-6);
+    if (cfg.qk_norm) how.norm_weight = &q_norm_view;
     r.q_check.merge(check_rotation("q_out", tv.q, tv.q_out, tv.positions, schedule, p.interleaved, how));
+    if (cfg.qk_norm) how.norm_weight = &k_norm_view;
     r.k_check.merge(check_rotation("k_out", tv.k, tv.k_out, tv.positions, schedule, p.interleaved, how));
     for (int64_t t = 0; t < T; ++t) {
       const int64_t slot = reference::load_index(tv.slots, t);
@@ -397,6 +431,10 @@ options:
   --rotate-mib N     input bytes to rotate among for small T (default 2 x L3, within 256..1024)
   --num-qo-heads N, --num-kv-heads N, --head-dim N, --rope-base X
                      a different attention shape
+  --qk-norm          SPEC §7: normalise every q and k head first (weights [head_dim] in the
+                     input dtype, Qwen3's "rms" style); bytes include the two weights
+  --mrope            SPEC §7: multimodal RoPE, positions [3, T] (Qwen2-VL's sections
+                     [16, 24, 24] for head_dim 128, scaled for others); bytes count 3T positions
   --seed N           random seed (default 20240601)
   --json FILE        also write the results as JSON
   -h, --help         this text
@@ -436,6 +474,10 @@ int run_bench(Args& args) {
       if (cfg.params.head_dim % 2) throw UsageError{"--head-dim must be even"};
     } else if (o == "--rope-base") {
       cfg.params.rope_base = parse_double(o, args.value(o));
+    } else if (o == "--qk-norm") {
+      cfg.qk_norm = true;
+    } else if (o == "--mrope") {
+      cfg.mrope = true;
     } else if (o == "--seed") {
       cfg.seed = uint64_t(parse_int(o, args.value(o), 0));
     } else if (o == "--json") {
@@ -470,6 +512,12 @@ int run_bench(Args& args) {
       dtype_name(cfg.dtype), (long long)p.num_qo_heads, (long long)p.num_kv_heads,
       (long long)p.head_dim, p.rope_base, dtype_name(cfg.index_dtype),
       int(std::log2(double(cfg.max_position))), cfg.skip_fraction * 100);
+  if (cfg.qk_norm) std::printf("fusion: QK norm (rms, weights in %s)\n", dtype_name(cfg.dtype));
+  if (cfg.mrope) {
+    const std::vector<int64_t> sec = mrope_section_for(p.head_dim);
+    std::printf("fusion: mRoPE, positions [3, T], mrope_section [%lld, %lld, %lld]\n",
+                (long long)sec[0], (long long)sec[1], (long long)sec[2]);
+  }
   std::fflush(stdout);
 
   // The copy anchor is measured before and after the op; ratios use the faster of the two,
