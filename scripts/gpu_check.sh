@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh            # build, test, sanitize, benchmark; ~2-3 minutes
 #   GPU_CHECK_BENCH=0 bash scripts/gpu_check.sh   # the same without the benchmark
 #   GPU_CHECK_TESTS=0 bash scripts/gpu_check.sh   # builds and benchmarks only
+#   GPU_CHECK_PROFILE=1 ...                        # also Nsight Compute on the C++ benchmark
 #
 # Expects: nvcc, python3 with torch (CUDA), nanobind, scikit-build-core, pytest, cmake and
 # ninja already installed; downloads nothing (pip runs with --no-build-isolation --no-deps).
@@ -193,6 +194,23 @@ else
       bash -c "cd /tmp && OUT='$LOGS' ROPEPOOL_BENCH_WATCHDOG_S=${ROPEPOOL_BENCH_WATCHDOG_S:-300} \
         $PY '$ROOT/bench/gpu_bench.py' --json '$LOGS/gpu_bench.json'"
   fi
+fi
+
+# --- 7 (GPU_CHECK_PROFILE=1): Nsight Compute on the default kernel ---------------------------------
+# One launch each at T = 1, 64, 4096 and 65536 of the C++ benchmark's cold workload (ncu flushes
+# the caches before each replay and fixes the clocks at base, so its durations read longer than
+# the benchmark's): speed of light, occupancy, launch statistics, warp states, memory workload.
+if [ "${GPU_CHECK_PROFILE:-0}" = 1 ] && [ -x "$CUDA_BENCH" ]; then
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for T in 1 64 4096 65536; do
+    run_step "ncu (T=$T)" "$LOGS/ncu.log" 200 \
+      "$NCU" --kernel-name regex:rope_pool --launch-skip 300 --launch-count 1 \
+        --section SpeedOfLight --section LaunchStats --section Occupancy \
+        --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
+        "$CUDA_BENCH" --tokens $T
+    NOTES[-1]="$(grep -E '^ +(Duration|DRAM Throughput|Achieved Occupancy)' "$LOGS/ncu.log" |
+      tail -n 3 | awk '{print $1, $(NF)}' | paste -sd' ')"
+  done
 fi
 
 # --- summary ------------------------------------------------------------------------------------
