@@ -22,6 +22,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -165,6 +166,14 @@ class RopePoolFused : public mx::Primitive {
       return true;
     };
     bool donated[4];
+    // Each output of a multi-output primitive keeps its own copy of the input list, so an
+    // input is referenced once per output and is_donatable() would never hold. The copies
+    // of the outputs other than the one being evaluated (whose list `inputs` is) are
+    // dropped now; MLX drops them right after this evaluation anyway (array::detach). Not
+    // while a transformation traces the graph: it still walks them.
+    if (!outputs[0].is_tracer())
+      for (auto& out : outputs)
+        if (&out.inputs() != &inputs) out.inputs().clear();
     for (int o = 0; o < 4; ++o) {
       const int in = o < 2 ? o : o + 3;  // q_rot <- q, k_rot <- k, pools <- pools
       donated[o] = (o >= 2 || inplace_) && donate(inputs[size_t(in)], outputs[size_t(o)]);
@@ -342,6 +351,15 @@ nb::tuple rope_pool_fused_mlx(nb::handle q, nb::handle k, nb::handle v, nb::hand
   options.format_shape = [](Arg, const TensorView& view) { return tuple_shape(view); };
   validate_rope_pool(views, params, options);
 
+  // A GPU stream or device is refused before MLX is asked for it (an MLX without a GPU
+  // backend would only say that it has none).
+  const bool gpu_asked = stream && std::visit([](const auto& x) {
+    using X = std::decay_t<decltype(x)>;
+    if constexpr (std::is_same_v<X, mx::Stream>) return x.device.type != mx::Device::DeviceType::cpu;
+    else if constexpr (std::is_same_v<X, mx::Device>) return x.type != mx::Device::DeviceType::cpu;
+    else return x != mx::Device::DeviceType::cpu;
+  }, *stream);
+  if (gpu_asked) throw Error(RopePoolFused::gpu_message());
   const mx::Stream s = stream ? std::visit([](auto x) { return mx::to_stream(x); }, *stream)
                               : mx::to_stream(std::monostate{});
   if (s.device.type != mx::Device::DeviceType::cpu)
