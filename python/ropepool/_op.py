@@ -92,7 +92,12 @@ def rope_pool_fused(
     for backend failures. Nothing is written when an error is raised.
     """
     tensors = (q, k, v, positions, slots, k_pool, v_pool)
-    _refuse_immutable_arrays(tensors)
+    all_torch = torch is not None and isinstance(q, torch.Tensor) \
+        and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) \
+        and isinstance(positions, torch.Tensor) and isinstance(slots, torch.Tensor) \
+        and isinstance(k_pool, torch.Tensor) and isinstance(v_pool, torch.Tensor)
+    if not all_torch:
+        _refuse_immutable_arrays(tensors)
     head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, sched_freqs, sched_scale = \
         _scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, rope_scaling,
                  max_position_embeddings, original_max_position_embeddings, seq_len, inv_freq,
@@ -101,10 +106,7 @@ def rope_pool_fused(
     interleaved = bool(interleaved)
     inplace = bool(inplace)
 
-    if torch is not None and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) \
-            and isinstance(v, torch.Tensor) and isinstance(positions, torch.Tensor) \
-            and isinstance(slots, torch.Tensor) and isinstance(k_pool, torch.Tensor) \
-            and isinstance(v_pool, torch.Tensor):
+    if all_torch:
         scalars = (head_dim, num_qo_heads, num_kv_heads, rope_base, check_slots, rotary_dim,
                    interleaved, sched_freqs, sched_scale)
         if _plain_eager(tensors):
@@ -248,11 +250,12 @@ def validate_rope_pool(
     an out-of-range slot is reported by the op itself, SPEC §3). q_rot/k_rot are allocated
     as the op would (their overlap with the inputs is part of the check).
     """
+    tensors = (q, k, v, positions, slots, k_pool, v_pool)
+    _refuse_immutable_arrays(tensors)
     head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, sched_freqs, sched_scale = \
         _scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, rope_scaling,
                  max_position_embeddings, original_max_position_embeddings, seq_len, inv_freq,
                  attention_scaling, schedule)
-    tensors = (q, k, v, positions, slots, k_pool, v_pool)
     is_torch = torch is not None and all(isinstance(t, torch.Tensor) for t in tensors)
     if inplace:
         q_rot, k_rot = q, k

@@ -340,3 +340,9 @@ def test_empty_call(rng):
     mx.eval(*out)
     assert out[0].shape == (0, 4, 16) and out[1].shape == (0, 2, 16)
     np.testing.assert_array_equal(bits(out[2]), old)
+
+
+def test_validate_rope_pool_refuses_mlx_arrays():
+    with pytest.raises(TypeError, match=r"^rope_pool_fused: q is an mlx.core.array, which "
+                                        r"ropepool.rope_pool_fused cannot write"):
+        ropepool.validate_rope_pool(*_args(), **KW)
