@@ -75,7 +75,10 @@ for py in "${pythons[@]}"; do
   rm -rf "$raw" "$fixed"
   log "building the wheel for $py ($tag, CUDA backend $cuda)"
   # A build folder per (interpreter, CUDA) pair, apart from `pip install .`'s build-skb/.
-  ROPEPOOL_WITH_CUDA=$cuda CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-$(nproc)} \
+  # No MLX front end in the wheel: ropepool._ropepool_mlx is tied to one MLX release (its
+  # C++ ABI and nanobind's), is not abi3, and links the mlx package's libmlx.so, which
+  # auditwheel would copy in; ropepool.mlx needs a source build next to MLX (README).
+  ROPEPOOL_WITH_MLX=OFF ROPEPOOL_WITH_CUDA=$cuda CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-$(nproc)} \
     "$py" -m pip wheel -q --no-deps -w "$raw" \
     --config-settings=build-dir="$work/skb/{wheel_tag}-cuda$cuda" .
   wheel=$(ls "$raw"/ropepool-*.whl)

@@ -63,6 +63,12 @@ struct CallOptions {
   /// cudaStream_t to run on (CUDA only); nullptr = the legacy default stream.
   void* stream = nullptr;
   ShapeFormatter format_shape;
+  /// false: the data behind the views is not readable yet (null pointers, or buffers a
+  /// graph framework fills later: the MLX front end validates when a call is traced).
+  /// validate_rope_pool then runs every check that needs no element values, and skips the
+  /// ones that read positions and slots (the CPU angle scan of SPEC §1, the slot range
+  /// and repeats of §3); the op itself must be called with readable data and does them.
+  bool data_readable = true;
 };
 
 /// Runs the op. Validates everything first (SPEC §2 order and messages) and throws
