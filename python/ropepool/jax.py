@@ -125,14 +125,41 @@ def rope_pool_fused(
     call = jax.ffi.ffi_call(TARGET, results,
                             input_output_aliases=_INPLACE_ALIASES if inplace else _POOL_ALIASES,
                             vmap_method=None)
-    q_rot, k_rot, k_pool_new, v_pool_new = call(
-        *operands,
+    # The FFI attributes, typed explicitly (a Python int would follow the x64 mode). An
+    # empty inv_freq means the default schedule of rope_base, made by the handler.
+    attributes = dict(
         head_dim=np.int64(head_dim), num_qo_heads=np.int64(num_qo_heads),
         num_kv_heads=np.int64(num_kv_heads), rope_base=np.float64(rope_base),
         rotary_dim=np.int64(rotary_dim), interleaved=np.bool_(interleaved),
         inv_freq=np.asarray(sched_freqs if sched_freqs is not None else [], np.float64),
         attention_scaling=np.float64(sched_scale), check_slots=np.bool_(check_slots))
+
+    # jax.grad and jax.vmap would otherwise fail inside ffi_call with messages about its
+    # own parameters; these rules say what the op is instead. Neither changes the lowering
+    # (one custom call, its aliases intact).
+    @jax.custom_jvp
+    @jax.custom_batching.custom_vmap
+    def op(*args):
+        return tuple(call(*args, **attributes))
+
+    op.def_vmap(_no_vmap)
+    op.defjvp(_no_grad)
+    q_rot, k_rot, k_pool_new, v_pool_new = op(*operands)
     return q_rot, k_rot, k_pool_new, v_pool_new
+
+
+def _no_vmap(axis_size, in_batched, *args):
+    raise ValueError(
+        "rope_pool_fused does not support jax.vmap: it writes one KV-cache pool per call; "
+        "fold the batch into the token axis (q [T, Hq, D] with one slot per token), or call "
+        "it once per pool")
+
+
+def _no_grad(primals, tangents):
+    raise ValueError(
+        "rope_pool_fused has no derivative (a KV-cache write, SPEC §9): jax.grad, jax.jvp and "
+        "jax.vjp do not apply; pass its inputs through jax.lax.stop_gradient where no "
+        "gradient should flow, or differentiate a reference RoPE")
 
 
 def _platform_of(operands) -> str:
