@@ -20,6 +20,7 @@ FFI headers (ROPEPOOL_WITH_JAX, README "JAX").
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping, Optional, Tuple
 
 import jax
@@ -121,6 +122,17 @@ def rope_pool_fused(
         interleaved=interleaved, schedule_inv_freq=sched_freqs,
         schedule_attention_scaling=sched_scale, check_slots=check_slots)
 
+    # The keywords as a hashable key of the jit cache below: a call outside jax.jit then
+    # traces once per distinct call, not on every call.
+    keywords = (head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, interleaved,
+                None if sched_freqs is None else tuple(sched_freqs), sched_scale, check_slots)
+    return _call(*operands, keywords=keywords, inplace=inplace)
+
+
+@functools.partial(jax.jit, static_argnames=("keywords", "inplace"))
+def _call(q, k, v, positions, slots, k_pool, v_pool, *, keywords, inplace):
+    (head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, interleaved, sched_freqs,
+     sched_scale, check_slots) = keywords
     results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, k_pool, v_pool))
     call = jax.ffi.ffi_call(TARGET, results,
                             input_output_aliases=_INPLACE_ALIASES if inplace else _POOL_ALIASES,
@@ -144,8 +156,7 @@ def rope_pool_fused(
 
     op.def_vmap(_no_vmap)
     op.defjvp(_no_grad)
-    q_rot, k_rot, k_pool_new, v_pool_new = op(*operands)
-    return q_rot, k_rot, k_pool_new, v_pool_new
+    return op(q, k, v, positions, slots, k_pool, v_pool)
 
 
 def _no_vmap(axis_size, in_batched, *args):
