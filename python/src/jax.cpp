@@ -95,8 +95,9 @@ ffi::Error run(Device device, void* stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   // The pools are aliased to the outputs (input_output_aliases): XLA hands the op one
   // buffer, the donated pool or its copy. Anything else would leave every row the call
   // does not write undefined.
-  if (k_pool_out->untyped_data() != k_pool.untyped_data() ||
-      v_pool_out->untyped_data() != v_pool.untyped_data())
+  if (k_pool.element_count() > 0 &&  // (an empty buffer's address means nothing)
+      (k_pool_out->untyped_data() != k_pool.untyped_data() ||
+       v_pool_out->untyped_data() != v_pool.untyped_data()))
     return ffi::Error::Internal(
         "rope_pool_fused: the pool outputs are not aliased to the pool operands; call "
         "through ropepool.jax.rope_pool_fused");

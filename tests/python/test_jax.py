@@ -169,6 +169,14 @@ def test_zero_tokens(platform, rng):
     np.testing.assert_array_equal(bits(got[3]), case.before["v_pool"])
 
 
+def test_empty_pool(platform, rng):
+    case = new_case(rng, "float16", T=3, P=0, slots=[-1, -5, -1])
+    got = jax.jit(functools.partial(rj.rope_pool_fused, **keywords(case)),
+                  donate_argnums=(5, 6))(*jax_args(case, platform))
+    assert got[2].shape == (0, 2, 128)
+    assert_same(got, torch_result(case, platform))
+
+
 # ---- functional semantics: donation, aliasing, the caller's arrays ------------------------
 
 def test_without_donation_caller_keeps_old_values(platform, rng):
