@@ -193,7 +193,7 @@ struct Checker {
     }
     // int32 positions cannot exceed 2^31: the default schedules (max inv_freq 1) never scan.
     if (t.positions.dtype == DType::Int32 && 2147483648.0 * max_f <= b.max_angle) return;
-    if (!o.data_readable) return;  // the op scans the positions when it runs
+    if (!o.data_readable) return;  // shapes-only validation: the run scans
     const detail::Index pos = index(t.positions);
     for (int64_t i = 0; i < T; ++i) {
       const double theta = std::fabs(double(pos[i])) * max_f;
@@ -439,8 +439,8 @@ void validate_rope_pool(const RopePoolTensors& tensors, const RopePoolParams& pa
 void rope_pool_fused(const RopePoolTensors& tensors, const RopePoolParams& params,
                      const CallOptions& options) {
   if (!options.data_readable)
-    throw std::logic_error("rope_pool_fused: CallOptions::data_readable = false is for "
-                           "validate_rope_pool; the op reads positions and slots");
+    throw std::invalid_argument("rope_pool_fused: CallOptions::data_readable = false is for "
+                                "validate_rope_pool only");
   const Checked checked = check(tensors, params, options);
   const detail::RopePoolProblem& problem = checked.problem;
   if (problem.num_tokens == 0) return;

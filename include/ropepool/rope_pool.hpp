@@ -63,11 +63,11 @@ struct CallOptions {
   /// cudaStream_t to run on (CUDA only); nullptr = the legacy default stream.
   void* stream = nullptr;
   ShapeFormatter format_shape;
-  /// false: the data behind the views is not readable yet (null pointers, or buffers a
-  /// graph framework fills later: the MLX front end validates when a call is traced).
-  /// validate_rope_pool then runs every check that needs no element values, and skips the
-  /// ones that read positions and slots (the CPU angle scan of SPEC §1, the slot range
-  /// and repeats of §3); the op itself must be called with readable data and does them.
+  /// false: the tensors' data may not be read (shapes-only validation while a framework
+  /// traces a graph, e.g. JAX or MLX: data pointers may be null). The checks that read
+  /// positions or slots on the host (the CPU angle scan of SPEC §1, the slot range of §3)
+  /// are skipped; the call that runs with the data makes them. Only validate_rope_pool
+  /// takes it; rope_pool_fused rejects it.
   bool data_readable = true;
 };
 
@@ -77,7 +77,8 @@ void rope_pool_fused(const RopePoolTensors& tensors, const RopePoolParams& param
                      const CallOptions& options = {});
 
 /// Only the validation of rope_pool_fused (no slot scan on CUDA tensors): throws the same
-/// ropepool::Error the op would, writes nothing.
+/// ropepool::Error the op would, writes nothing. With options.data_readable = false it
+/// reads no tensor data (shapes, dtypes, strides and keywords only).
 void validate_rope_pool(const RopePoolTensors& tensors, const RopePoolParams& params,
                         const CallOptions& options = {});
 
