@@ -19,7 +19,7 @@
 # on the machine still see the real library.
 #
 # The fresh venv has no system site-packages. The test requirements (torch, numpy, pytest,
-# transformers) are taken from an existing environment (CHECK_DEPS_PYTHON, default
+# transformers, jax) are taken from an existing environment (CHECK_DEPS_PYTHON, default
 # .venv/bin/python, as ./dev.sh creates it): a .pth file points at a folder of links to just
 # those distributions and what they require, never to any ropepool there.
 set -euo pipefail
@@ -68,7 +68,7 @@ from importlib import metadata
 
 out = sys.argv[1]
 os.makedirs(out)
-todo, seen, linked = ["torch", "numpy", "pytest", "transformers"], set(), set()
+todo, seen, linked = ["torch", "numpy", "pytest", "transformers", "jax"], set(), set()
 while todo:
     name = re.split(r"[ ;<>=!~\[(]", todo.pop(), maxsplit=1)[0].lower().replace("_", "-")
     if name in seen:

@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh            # build, test, sanitize, benchmark; ~2-3 minutes
 #   GPU_CHECK_BENCH=0 bash scripts/gpu_check.sh   # the same without the benchmark
 #   GPU_CHECK_TESTS=0 bash scripts/gpu_check.sh   # builds and benchmarks only
+#   GPU_CHECK_PROFILE=1 ...                        # also Nsight Compute on the C++ benchmark
 #
 # Expects: nvcc, python3 with torch (CUDA), nanobind, scikit-build-core, pytest, cmake and
 # ninja already installed; downloads nothing (pip runs with --no-build-isolation --no-deps).
@@ -20,7 +21,9 @@
 #      float64 reference, SPEC §3 slot errors, duplicates, a pool over 4 GiB, CUDA graphs
 #   4. the whole pytest suite (CPU and GPU tests; with two GPUs also the two-device tests
 #      and a two-rank tensor-parallel run over NCCL), then examples/decode.py on CUDA with
-#      its decode step in a CUDA graph and without
+#      its decode step in a CUDA graph and without; where jax is installed, the JAX front
+#      end is built (ROPEPOOL_WITH_JAX=ON) and its GPU tests (tests/python/test_jax.py -m
+#      gpu: JAX on CUDA under jax.jit) are also a step of their own
 #   5. compute-sanitizer on the CUDA test (small grid): memcheck, racecheck, initcheck and
 #      synccheck
 #   6. the C++ benchmark (bench/cuda: the kernel alone, with and without PDL) and
@@ -41,6 +44,8 @@ BUILD=$ROOT/build-gpu
 DEBS=/tmp/ropepool-debs
 START=$SECONDS
 export PYTHONUNBUFFERED=1
+# JAX shares the GPU with torch in the test processes: no 75% preallocation.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
 declare -a NAMES STATUS TIMES NOTES
 step() {  # name, seconds, status, note
@@ -68,6 +73,7 @@ run_step() {  # name, log, timeout, command...
   nvcc --version | tail -n 2
   cmake --version | head -n 1
   $PY -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())'
+  $PY -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, "backend", jax.default_backend(), jax.devices())' 2>&1 | tail -n 1
   command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || echo "compute-sanitizer: not found"
   git log -1 --format='commit %h %s' 2>/dev/null || true
 } 2>&1 | tee "$LOGS/summary.txt"
@@ -105,6 +111,8 @@ CUDA_OPTS=(-DROPEPOOL_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 "${CUDA_STD[@]}
 PIP_ARGS=(--no-build-isolation --no-deps --no-cache-dir -v)
 for d in "${CUDA_OPTS[@]}" "${CMAKE_DEPS[@]}"; do PIP_ARGS+=("-Ccmake.define.${d#-D}"); done
 PIP_ARGS+=("-Cbuild-dir=$BUILD/python")
+# The JAX front end is required where jax is installed (a missing header fails the build).
+if $PY -c 'import jax' >/dev/null 2>&1; then HAS_JAX=1; PIP_ARGS+=("-Ccmake.define.ROPEPOOL_WITH_JAX=ON"); else HAS_JAX=0; fi
 t0=$SECONDS
 ( CMAKE_BUILD_PARALLEL_LEVEL=$JOBS ROPEPOOL_WITH_CUDA=ON timeout --signal=KILL 420 \
     $PY -m pip install "${PIP_ARGS[@]}" . >"$LOGS/build.log.pip" 2>&1; echo $? >"$BUILD.pip.rc" ) &
@@ -157,6 +165,13 @@ if [ "$PIP_RC" = 0 ] && [ "$TESTS" != 0 ]; then
   run_step "pytest (whole suite, GPU included)" "$LOGS/pytest.log" 300 \
     bash -c "cd /tmp && $PY -m pytest '$ROOT/tests/python' -q -p no:cacheprovider -rs --rootdir '$ROOT' -c '$ROOT/pyproject.toml'"
   NOTES[-1]="$(grep -E '[0-9]+ (passed|failed)' "$LOGS/pytest.log" | tail -n 1)"
+  if [ "$HAS_JAX" = 1 ]; then
+    run_step "JAX front end on CUDA (test_jax.py -m gpu)" "$LOGS/pytest.log" 300 \
+      bash -c "cd /tmp && $PY -m pytest '$ROOT/tests/python/test_jax.py' -q -p no:cacheprovider -rs -m gpu --rootdir '$ROOT' -c '$ROOT/pyproject.toml'"
+    NOTES[-1]="$(grep -E '[0-9]+ (passed|failed|skipped)' "$LOGS/pytest.log" | tail -n 1)"
+  else
+    step "JAX front end on CUDA" 0 "SKIPPED" "jax is not installed"
+  fi
   for mode in graph no-graph; do
     extra=(); [ $mode = no-graph ] && extra=(--no-graph)
     run_step "examples/decode.py --device cuda ($mode)" "$LOGS/pytest.log" 300 \
@@ -193,6 +208,23 @@ else
       bash -c "cd /tmp && OUT='$LOGS' ROPEPOOL_BENCH_WATCHDOG_S=${ROPEPOOL_BENCH_WATCHDOG_S:-300} \
         $PY '$ROOT/bench/gpu_bench.py' --json '$LOGS/gpu_bench.json'"
   fi
+fi
+
+# --- 7 (GPU_CHECK_PROFILE=1): Nsight Compute on the default kernel ---------------------------------
+# One launch each at T = 1, 64, 4096 and 65536 of the C++ benchmark's cold workload (ncu flushes
+# the caches before each replay and fixes the clocks at base, so its durations read longer than
+# the benchmark's): speed of light, occupancy, launch statistics, warp states, memory workload.
+if [ "${GPU_CHECK_PROFILE:-0}" = 1 ] && [ -x "$CUDA_BENCH" ]; then
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for T in 1 64 4096 65536; do
+    run_step "ncu (T=$T)" "$LOGS/ncu.log" 200 \
+      "$NCU" --kernel-name regex:rope_pool --launch-skip 300 --launch-count 1 \
+        --section SpeedOfLight --section LaunchStats --section Occupancy \
+        --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
+        "$CUDA_BENCH" --tokens $T
+    NOTES[-1]="$(grep -E '^ +(Duration|DRAM Throughput|Achieved Occupancy)' "$LOGS/ncu.log" |
+      tail -n 3 | awk '{print $1, $(NF)}' | paste -sd' ')"
+  done
 fi
 
 # --- summary ------------------------------------------------------------------------------------

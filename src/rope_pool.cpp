@@ -249,6 +249,7 @@ struct Checker {
     }
     // int32 positions cannot exceed 2^31: the default schedules (max inv_freq 1) never scan.
     if (t.positions.dtype == DType::Int32 && 2147483648.0 * max_f <= b.max_angle) return;
+    if (!o.data_readable) return;  // shapes-only validation: the run scans
     const int rows = t.positions.ndim == 2 ? 3 : 1;  // mRoPE: [3, T] (SPEC §7)
     for (int r = 0; r < rows; ++r) {
       const detail::Index pos = position_row(t.positions, r);
@@ -466,7 +467,7 @@ Checked check(const RopePoolTensors& t, const RopePoolParams& p, const CallOptio
   problem.k_norm_dtype = p.k_norm_weight.dtype;
   problem.norm_eps = float(p.norm_eps.value_or(1e-6));
   problem.norm_gemma = p.norm_style.value_or("rms") == "gemma";
-  if (t.q.device.type == DeviceType::CPU)
+  if (t.q.device.type == DeviceType::CPU && o.data_readable)
     detail::check_slot_values(problem.slots, problem.num_tokens, problem.pool_size,
                               o.check_slots);
   return out;
@@ -518,6 +519,9 @@ void validate_rope_pool(const RopePoolTensors& tensors, const RopePoolParams& pa
 
 void rope_pool_fused(const RopePoolTensors& tensors, const RopePoolParams& params,
                      const CallOptions& options) {
+  if (!options.data_readable)
+    throw std::invalid_argument("rope_pool_fused: CallOptions::data_readable = false is for "
+                                "validate_rope_pool only");
   const Checked checked = check(tensors, params, options);
   const detail::RopePoolProblem& problem = checked.problem;
   if (problem.num_tokens == 0) return;

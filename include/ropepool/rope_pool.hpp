@@ -70,6 +70,12 @@ struct CallOptions {
   /// cudaStream_t to run on (CUDA only); nullptr = the legacy default stream.
   void* stream = nullptr;
   ShapeFormatter format_shape;
+  /// false: the tensors' data may not be read (shapes-only validation while a framework
+  /// traces a graph, e.g. JAX or MLX: data pointers may be null). The checks that read
+  /// positions or slots on the host (the CPU angle scan of SPEC §1, the slot range of §3)
+  /// are skipped; the call that runs with the data makes them. Only validate_rope_pool
+  /// takes it; rope_pool_fused rejects it.
+  bool data_readable = true;
 };
 
 /// Runs the op. Validates everything first (SPEC §2 order and messages) and throws
@@ -78,7 +84,8 @@ void rope_pool_fused(const RopePoolTensors& tensors, const RopePoolParams& param
                      const CallOptions& options = {});
 
 /// Only the validation of rope_pool_fused (no slot scan on CUDA tensors): throws the same
-/// ropepool::Error the op would, writes nothing.
+/// ropepool::Error the op would, writes nothing. With options.data_readable = false it
+/// reads no tensor data (shapes, dtypes, strides and keywords only).
 void validate_rope_pool(const RopePoolTensors& tensors, const RopePoolParams& params,
                         const CallOptions& options = {});
 

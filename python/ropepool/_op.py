@@ -108,11 +108,18 @@ def rope_pool_fused(
     for backend failures. Nothing is written when an error is raised.
     """
     tensors = (q, k, v, positions, slots, k_pool, v_pool)
+    all_torch = torch is not None and isinstance(q, torch.Tensor) \
+        and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) \
+        and isinstance(positions, torch.Tensor) and isinstance(slots, torch.Tensor) \
+        and isinstance(k_pool, torch.Tensor) and isinstance(v_pool, torch.Tensor)
+    if not all_torch:
+        _refuse_immutable_arrays(tensors)
     (head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, sched_freqs, sched_scale,
      sched_section, sched_interleaved) = \
-        _scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, rope_scaling,
-                 max_position_embeddings, original_max_position_embeddings, seq_len, inv_freq,
-                 attention_scaling, schedule, mrope_section, mrope_interleaved)
+        _fused_scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim,
+                       rope_scaling, max_position_embeddings, original_max_position_embeddings,
+                       seq_len, inv_freq, attention_scaling, schedule, mrope_section,
+                       mrope_interleaved)
     norm_eps, norm_style = _norm_scalars(norm_eps, norm_style)
     fusion = (q_norm_weight, k_norm_weight, norm_eps, norm_style, sched_section,
               sched_interleaved)
@@ -120,10 +127,7 @@ def rope_pool_fused(
     interleaved = bool(interleaved)
     inplace = bool(inplace)
 
-    if torch is not None and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) \
-            and isinstance(v, torch.Tensor) and isinstance(positions, torch.Tensor) \
-            and isinstance(slots, torch.Tensor) and isinstance(k_pool, torch.Tensor) \
-            and isinstance(v_pool, torch.Tensor):
+    if all_torch:
         if any(w is not None and not isinstance(w, torch.Tensor)
                for w in (q_norm_weight, k_norm_weight)):
             raise TypeError("rope_pool_fused: q_norm_weight/k_norm_weight must be "
@@ -175,6 +179,26 @@ def rope_pool_fused(
     return q_rot, k_rot, k_pool, v_pool
 
 
+# Frameworks whose arrays are immutable (SPEC §9): the op would write behind their back, so
+# they have front ends of their own. Keyed by the top-level module of the array's type.
+_IMMUTABLE_FRONT_ENDS = {"mlx": ("an mlx.core.array", "ropepool.mlx.rope_pool_fused"),
+                         "jax": ("a jax.Array", "ropepool.jax.rope_pool_fused"),
+                         "jaxlib": ("a jax.Array", "ropepool.jax.rope_pool_fused")}
+
+
+def _refuse_immutable_arrays(tensors) -> None:
+    """TypeError for MLX and JAX arrays, before anything is converted: DLPack would hand
+    out their memory and the pool write would mutate arrays their framework treats as
+    immutable (a lazy MLX value computed before the call would see it)."""
+    for name, t in zip(_TENSOR_ARGS, tensors):
+        front = _IMMUTABLE_FRONT_ENDS.get(type(t).__module__.partition(".")[0])
+        if front is not None:
+            raise TypeError(
+                f"rope_pool_fused: {name} is {front[0]}, which ropepool.rope_pool_fused "
+                f"cannot write (it is immutable); use {front[1]}, which takes and returns "
+                "that framework's arrays")
+
+
 _SCHEDULE_KEYWORDS = ("rope_scaling", "inv_freq", "attention_scaling", "max_position_embeddings",
                       "original_max_position_embeddings", "seq_len", "mrope_section",
                       "mrope_interleaved")
@@ -199,7 +223,23 @@ def _norm_scalars(norm_eps, norm_style):
 
 def _scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, rope_scaling,
              max_position_embeddings, original_max_position_embeddings, seq_len, inv_freq,
-             attention_scaling, schedule, mrope_section=None, mrope_interleaved=None):
+             attention_scaling, schedule):
+    """_fused_scalars without SPEC §7's mRoPE, for the front ends that do not have it yet
+    (MLX, JAX): a dict or schedule asking for mRoPE is an error there, never dropped."""
+    out = _fused_scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim,
+                         rope_scaling, max_position_embeddings,
+                         original_max_position_embeddings, seq_len, inv_freq,
+                         attention_scaling, schedule)
+    if out[7] is not None:
+        raise ValueError("rope_pool_fused: mrope_section (SPEC §7) is not supported by this "
+                         "front end yet; use ropepool.rope_pool_fused with torch or NumPy "
+                         "arrays")
+    return out[:7]
+
+
+def _fused_scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, rope_scaling,
+                   max_position_embeddings, original_max_position_embeddings, seq_len, inv_freq,
+                   attention_scaling, schedule, mrope_section=None, mrope_interleaved=None):
     """The keyword arguments as the core takes them: Python types checked (bools are not
     numbers), the schedule made or checked against the call."""
     head_dim = _int("head_dim", head_dim)
@@ -281,15 +321,17 @@ def validate_rope_pool(
     an out-of-range slot is reported by the op itself, SPEC §3). q_rot/k_rot are allocated
     as the op would (their overlap with the inputs is part of the check).
     """
+    tensors = (q, k, v, positions, slots, k_pool, v_pool)
+    _refuse_immutable_arrays(tensors)
     (head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, sched_freqs, sched_scale,
      sched_section, sched_interleaved) = \
-        _scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, rope_scaling,
-                 max_position_embeddings, original_max_position_embeddings, seq_len, inv_freq,
-                 attention_scaling, schedule, mrope_section, mrope_interleaved)
+        _fused_scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim,
+                       rope_scaling, max_position_embeddings, original_max_position_embeddings,
+                       seq_len, inv_freq, attention_scaling, schedule, mrope_section,
+                       mrope_interleaved)
     norm_eps, norm_style = _norm_scalars(norm_eps, norm_style)
     fusion = (q_norm_weight, k_norm_weight, norm_eps, norm_style, sched_section,
               sched_interleaved)
-    tensors = (q, k, v, positions, slots, k_pool, v_pool)
     is_torch = torch is not None and all(isinstance(t, torch.Tensor) for t in tensors)
     if inplace:
         q_rot, k_rot = q, k

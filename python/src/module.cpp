@@ -61,4 +61,9 @@ NB_MODULE(_ropepool, m) {
   ropepool::python::init_rope_pool(m);
   ropepool::python::init_threads(m);
   ropepool::python::init_cuda(m);
+#ifdef ROPEPOOL_WITH_JAX
+  ropepool::python::init_jax(m);
+#else
+  m.attr("jax_front_end") = false;
+#endif
 }

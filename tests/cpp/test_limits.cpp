@@ -164,5 +164,41 @@ TEST(Messages, DtypesAreNamedAndHintsNameReceivedValues) {
   EXPECT_EQ(message_and_hint(mixed), "q/k/v dtypes must match | got q float32, k float32, v float16");
 }
 
+// CallOptions::data_readable = false (a graph framework validating at trace time): every
+// shape/dtype/keyword check runs on views whose data pointers are null; the checks that
+// read positions and slots are left to the op, which refuses to run without readable data.
+TEST(DataNotReadable, ValidatesShapesWithoutReadingValues) {
+  CallOptions unreadable;
+  unreadable.data_readable = false;
+  auto without_data = [](Call& c) {
+    for (TensorView* v : {&c.t.q, &c.t.k, &c.t.v, &c.t.positions, &c.t.slots, &c.t.k_pool,
+                          &c.t.v_pool, &c.t.q_out, &c.t.k_out})
+      v->data = nullptr;
+  };
+  // int64 positions beyond the angle limit and an out-of-range slot: values, not checked.
+  Call values({4294967297LL, 1});
+  values.slots[0] = kP + 5;
+  without_data(values);
+  EXPECT_NO_THROW(validate_rope_pool(values.t, values.p, unreadable));
+  // Shapes, dtypes and keywords still are, with the SPEC §2 messages.
+  Call heads({1, 2});
+  heads.p.num_kv_heads = 3;
+  without_data(heads);
+  try {
+    validate_rope_pool(heads.t, heads.p, unreadable);
+    ADD_FAILURE() << "accepted";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "k shape must be [num_tokens, num_kv_heads, head_dim], got [2, 1, 8]");
+  }
+  Call base({1, 2});
+  base.p.rope_base = -1;
+  without_data(base);
+  EXPECT_THROW(validate_rope_pool(base.t, base.p, unreadable), Error);
+  // The op itself needs the values.
+  Call op({1, 2});
+  EXPECT_THROW(rope_pool_fused(op.t, op.p, unreadable), std::logic_error);
+  EXPECT_EQ(op.q_out, std::vector<float>(op.q_out.size(), -7.f));
+}
+
 }  // namespace
 }  // namespace ropepool

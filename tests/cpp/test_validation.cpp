@@ -629,5 +629,37 @@ TEST_F(SlotChecks, RepeatedNegativeSlotsAreNotDuplicates) {
   run_and_check(*c, options);
 }
 
+
+// CallOptions::data_readable = false (shapes-only validation while a framework traces):
+// null data pointers are never read, the data checks are left to the call that has the
+// data, every other check still runs; rope_pool_fused refuses the option.
+TEST_F(SlotChecks, ShapesOnlyValidationReadsNoData) {
+  Shape s;
+  s.num_tokens = 300;
+  s.pool_size = 600;
+  s.position_dtype = DType::Int64;  // int64 positions: the CPU angle check scans them
+  s.slot_dtype = DType::Int64;
+  auto c = fresh(s, Layout{});
+  c->set_slot(7, 600);  // out of range: a data check
+  RopePoolTensors nulls = c->tensors;
+  for (TensorView* v : {&nulls.q, &nulls.k, &nulls.v, &nulls.positions, &nulls.slots,
+                        &nulls.k_pool, &nulls.v_pool, &nulls.q_out, &nulls.k_out})
+    v->data = nullptr;
+  CallOptions shapes_only;
+  shapes_only.data_readable = false;
+  EXPECT_NO_THROW(validate_rope_pool(nulls, c->params, shapes_only));
+  nulls.q.shape[1] += 1;
+  const Thrown e = thrown_by([&] { validate_rope_pool(nulls, c->params, shapes_only); });
+  EXPECT_TRUE(e.error) << e.other;
+  EXPECT_EQ(e.what, "q shape must be [num_tokens, num_qo_heads, head_dim], got [300, " +
+                        std::to_string(c->tensors.q.shape[1] + 1) + ", " +
+                        std::to_string(c->tensors.q.shape[2]) + "]");
+  // With the data, the same call reports the slot.
+  expect_rejected(*c, "rope_pool_fused: slots[7] = 600 is out of range for a pool of 600 slots");
+  const Snapshot before = c->snapshot();
+  EXPECT_THROW(rope_pool_fused(c->tensors, c->params, shapes_only), std::invalid_argument);
+  expect_unchanged(*c, before);
+}
+
 }  // namespace
 }  // namespace ropepool::test

@@ -4,6 +4,10 @@ generators whose seed is printed on failure, and NaN-poisoned output allocation.
 import os
 import secrets
 
+# JAX (tests/python/test_jax.py) shares the GPU with torch in this process: without this,
+# its first GPU array reserves 75% of the device's memory.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import numpy as np
 import pytest
 import torch

@@ -1,0 +1,129 @@
+"""The MLX front end (SPEC §9): ``ropepool.mlx.rope_pool_fused`` takes and returns
+``mx.array``s, as sglang's ``sgl_kernel.metal.rope_pool_fused`` is called.
+
+    import mlx.core as mx
+    from ropepool.mlx import rope_pool_fused
+
+    q_rot, k_rot, k_pool, v_pool = rope_pool_fused(
+        q, k, v, positions, slots, k_pool, v_pool,
+        head_dim=128, num_qo_heads=32, num_kv_heads=8, rope_base=10000.0)
+
+The call is an MLX primitive (C++, ropepool._ropepool_mlx): lazy, a node of the graph that
+``mx.eval`` runs, traceable by ``mx.compile``. MLX arrays are immutable, so the pools come
+back as new arrays: rebind your cache to them. When nothing else references the pools
+passed in at evaluation time, their buffers become the new pools' (no copy); otherwise the
+new pools are copies and the old arrays keep their values. It runs on MLX's CPU stream
+(ropepool's CPU backend).
+
+The module needs the extension built against the installed MLX: a source build with MLX
+present (``pip install --no-build-isolation .`` next to ``mlx``); the published wheel has
+no MLX front end.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Tuple
+
+try:
+    import mlx.core as mx
+except ImportError as e:  # pragma: no cover - exercised where mlx is absent
+    raise ImportError(
+        "ropepool.mlx needs MLX: pip install 'mlx[cpu]' (Linux) or mlx (macOS), then build "
+        "ropepool from source next to it (pip install --no-build-isolation .)"
+    ) from e
+
+try:
+    from ropepool import _ropepool_mlx as _ext
+except ImportError as e:
+    raise ImportError(
+        "ropepool.mlx: this ropepool was built without its MLX front end (the extension "
+        "ropepool._ropepool_mlx is built only when MLX is installed at build time; the "
+        "published wheel has none). Build from source with MLX installed: pip install "
+        "'mlx[cpu]' && pip install --no-build-isolation <ropepool source>"
+    ) from e
+
+from ropepool._op import _scalars
+from ropepool._schedule import RopeSchedule
+
+
+def _check_abi() -> None:
+    # The extension uses MLX's C++ API, which has no stable ABI across releases, and
+    # shares nanobind's type records with mlx.core: both must be the ones it was built with.
+    built, running = _ext.mlx_version, mx.__version__
+    if running.split(".dev")[0].split("+")[0] != built:
+        raise ImportError(
+            f"ropepool.mlx was built against MLX {built} but MLX {running} is installed; "
+            "rebuild ropepool from source (pip install --no-build-isolation .) or install "
+            f"mlx=={built}")
+    if not _ext.is_mlx_array(mx.array(0)):
+        raise ImportError(
+            "ropepool.mlx cannot take this MLX's arrays: the extension was built with a "
+            "nanobind whose ABI differs from mlx.core's; rebuild ropepool with the nanobind "
+            "version MLX was built with")
+
+
+_check_abi()
+
+
+def rope_pool_fused(
+    q: "mx.array",
+    k: "mx.array",
+    v: "mx.array",
+    positions: "mx.array",
+    slots: "mx.array",
+    k_pool: "mx.array",
+    v_pool: "mx.array",
+    *,
+    head_dim: int,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    rope_base: float,
+    rotary_dim: Optional[int] = None,
+    interleaved: bool = False,
+    rope_scaling: Optional[Mapping[str, Any]] = None,
+    max_position_embeddings: Optional[int] = None,
+    original_max_position_embeddings: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    inv_freq: Any = None,
+    attention_scaling: Optional[float] = None,
+    schedule: Optional[RopeSchedule] = None,
+    inplace: bool = False,
+    check_slots: bool = False,
+    stream: Any = None,
+) -> Tuple["mx.array", "mx.array", "mx.array", "mx.array"]:
+    """RoPE on q and k and the KV-cache pool write, as an MLX primitive (SPEC §1, §9).
+
+    Arguments and keywords are those of :func:`ropepool.rope_pool_fused` (SPEC §4), all
+    ``mx.array``s; ``inv_freq``, if given, is a float32 ``mx.array`` or NumPy array (read
+    when the call is made). Returns ``(q_rot, k_rot, k_pool, v_pool)``, four new lazy
+    arrays; ``k_pool``/``v_pool`` are the updated pools (donated buffers when nothing
+    else references the ones passed in, copies otherwise).
+
+    ``inplace=True`` lets q_rot/k_rot take over q's and k's buffers too, when nothing else
+    references them at evaluation time (the returned arrays are new either way).
+    ``stream``: an MLX stream or device (default: the default stream); ropepool runs on
+    MLX's CPU stream only, and a GPU stream is a ValueError.
+
+    Shapes, dtypes and keywords are checked when the call is made, with SPEC §2's messages.
+    Slot and position values are data: an out-of-range slot (or, with ``check_slots``, a
+    repeated one) writes nothing and raises ValueError when the graph is evaluated.
+    Gradients (``mx.grad``, ``mx.vjp``, ``mx.jvp``) and ``mx.vmap`` raise
+    NotImplementedError.
+    """
+    if isinstance(inv_freq, mx.array):
+        import numpy  # inv_freq is a small host table, read once when the call is made
+
+        inv_freq = numpy.array(inv_freq, copy=True)
+    head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, sched_freqs, sched_scale = \
+        _scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, rope_scaling,
+                 max_position_embeddings, original_max_position_embeddings, seq_len, inv_freq,
+                 attention_scaling, schedule)
+    return _ext.rope_pool_fused(
+        q, k, v, positions, slots, k_pool, v_pool,
+        head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        rope_base=rope_base, rotary_dim=rotary_dim, interleaved=bool(interleaved),
+        schedule_inv_freq=sched_freqs, schedule_attention_scaling=sched_scale,
+        inplace=bool(inplace), check_slots=bool(check_slots), stream=stream)
+
+
+__all__ = ["rope_pool_fused"]
