@@ -106,6 +106,10 @@ BackendLimits cuda_limits();  // available without the CUDA backend too (cuda_st
 /// error below 2^-22 rad there, far inside the 2^-18 * (|a| + |b|) term of the bound.
 inline constexpr double kMaxAngle = 4294967296.0;
 
+/// SPEC §7 on CUDA: the fusion kernel (src/cuda/fusion_kernel.cuh, kFusionMaxHeadDim) keeps
+/// a head per warp in shared memory, so head_dim is limited there.
+inline constexpr int64_t kCudaFusionMaxHeadDim = 2048;
+
 /// SPEC §3 on host-readable slots: throws ropepool::Error for the first slot >= P and, when
 /// reject_duplicates, for the first repeated non-negative slot.
 void check_slot_values(const Index& slots, int64_t T, int64_t P, bool reject_duplicates);

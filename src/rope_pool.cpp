@@ -182,12 +182,12 @@ struct Checker {
       fail(std::string("rope_pool_fused: unsupported dtype ") + dtype_name(t.q.dtype) +
            " for q/k/v/pools; expected float32, float16 or bfloat16");
     devices();
-    if (t.q.device.type == DeviceType::CUDA &&
-        (p.q_norm_weight.data || p.k_norm_weight.data || !schedule->mrope_section.empty()))
-      fail("rope_pool_fused: " +
-           std::string(schedule->mrope_section.empty() ? "q_norm_weight/k_norm_weight"
-                                                       : "mrope_section") +
-           " is not supported on the cuda backend yet");
+    // SPEC §7 on CUDA: the norm kernel keeps a head per warp in shared memory.
+    if (t.q.device.type == DeviceType::CUDA && (p.q_norm_weight.data || p.k_norm_weight.data) &&
+        p.head_dim > detail::kCudaFusionMaxHeadDim)
+      fail("rope_pool_fused: head_dim = " + std::to_string(p.head_dim) +
+           " exceeds the limit of " + std::to_string(detail::kCudaFusionMaxHeadDim) +
+           " on the cuda backend with q_norm_weight/k_norm_weight");
     outputs();
     layouts();
     limits(*schedule);

@@ -20,6 +20,7 @@
 #include "../backend.hpp"
 #include "launch.hpp"
 #include "limits.hpp"
+#include "fusion_kernel.cuh"
 #include "rope_pool_kernel.cuh"
 #include "ropepool/cuda.hpp"
 #include "ropepool/error.hpp"
@@ -181,6 +182,7 @@ bool is_tuned_head_dim(int64_t d) { return d == 64 || d == 96 || d == 128 || d =
 
 // The limits validation asks for (limits.hpp) must be the kernel's.
 static_assert(cuda_limits_values::kMaxRotaryDim == 2 * cuda::kMaxHalfRotary);
+static_assert(cuda::kFusionMaxHeadDim == kCudaFusionMaxHeadDim);
 static_assert(cuda_limits_values::kMaxHeadsXHeadDim + 32 * cuda::kQUnits < (int64_t(1) << 24) &&
               cuda_limits_values::kMaxHeadsXHeadDim + 32 * cuda::kVVecs < (int64_t(1) << 24));
 
@@ -275,6 +277,9 @@ KernelParams<kFreqCap> make_params(const RopePoolProblem& p, const LaunchPlan& p
   k.attention_scaling = float(p.attention_scaling);
   k.error_record = record;
   for (int64_t i = 0; i < p.rotary_dim / 2; ++i) k.inv_freq[i] = p.inv_freq[i];
+  k.mrope = p.mrope, k.mrope_interleaved = p.mrope_interleaved;  // SPEC §7
+  for (int i = 0; i < 3; ++i) k.mrope_section[i] = int(p.mrope_section[i]);
+  k.positions_row_stride = p.positions_row_stride;
   return k;
 }
 
@@ -325,7 +330,59 @@ void launch_dtype(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRec
   }
 }
 
+// SPEC §7 QK norm: rope_pool_fusion_kernel (fusion_kernel.cuh), a CTA per token, a warp per
+// head. (mRoPE alone takes the main kernel.)
+bool has_fusions(const RopePoolProblem& p) {
+  return p.q_norm_weight != nullptr || p.k_norm_weight != nullptr;
+}
+
+template <class E>
+void launch_fusion(const RopePoolProblem& p, SlotErrorRecord* record, cudaStream_t stream) {
+  assert(p.head_dim <= cuda::kFusionMaxHeadDim && p.rotary_dim / 2 <= cuda::kMaxHalfRotary);
+  LaunchPlan plan;
+  plan.grid = p.num_tokens;
+  plan.threads = 32 * cuda::kFusionWarps;
+  plan.pool_write_mode = p.num_tokens == 1 ? cuda::kPoolWriteDirect : cuda::kPoolWriteLock;
+  const KernelParams<cuda::kMaxHalfRotary> params =
+      make_params<cuda::kMaxHalfRotary>(p, plan, record);
+  cuda::FusionParams f{};
+  f.q_norm_weight = p.q_norm_weight;
+  f.k_norm_weight = p.k_norm_weight;
+  f.q_norm_float32 = p.q_norm_dtype == DType::Float32;
+  f.k_norm_float32 = p.k_norm_dtype == DType::Float32;
+  f.norm_eps = p.norm_eps;
+  f.norm_gemma = p.norm_gemma;
+  f.interleaved = p.interleaved;
+  cudaLaunchConfig_t launch{};
+  launch.gridDim = dim3(unsigned(plan.grid));
+  launch.blockDim = dim3(unsigned(plan.threads));
+  launch.dynamicSmemBytes = sizeof(float) * size_t(p.rotary_dim +
+                                                    cuda::kFusionWarps * p.head_dim);
+  launch.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  launch.attrs = &attr;
+  launch.numAttrs = 1;
+  check(cudaLaunchKernelEx(&launch, cuda::rope_pool_fusion_kernel<E>, params, f),
+        "cudaLaunchKernelEx (rope_pool_fusion_kernel)");
+}
+
 void run(const RopePoolProblem& p, const LaunchConfig& overrides) {
+  if (has_fusions(p)) {
+    const int device = device_of(p.q.data);
+    DeviceGuard guard(device);
+    report_pending_slot_error(device);
+    const auto stream = static_cast<cudaStream_t>(p.stream);
+    if (p.check_slots) check_slots_on_host(p, stream);
+    SlotErrorRecord* record = error_record_for_device(device);
+    switch (p.dtype) {
+      case DType::Float32: return launch_fusion<cuda::F32>(p, record, stream);
+      case DType::Float16: return launch_fusion<cuda::F16>(p, record, stream);
+      case DType::BFloat16: return launch_fusion<cuda::BF16>(p, record, stream);
+      default: throw BackendError("rope_pool_fused: unsupported dtype reached the CUDA backend");
+    }
+  }
   const LaunchPlan plan = cuda_launch::plan_launch(p, overrides);  // validated: asserts only
   const int device = device_of(p.q.data);
   DeviceGuard guard(device);

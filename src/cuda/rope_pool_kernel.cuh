@@ -74,7 +74,32 @@ struct KernelParams {
   bool positions_int64, slots_int64;
   SlotErrorRecord* error_record;  ///< device view of this device's record
   double inv_freq[kFreqCap];      ///< R/2 entries; by value: no allocation, graph-safe
+  // SPEC §7 mRoPE (after inv_freq: ParamTouch reads only the words before it). Positions
+  // [3, T]: frequency e reads row mrope_axis(e), rows positions_row_stride elements apart.
+  bool mrope, mrope_interleaved;
+  int mrope_section[3];
+  int64_t positions_row_stride;
 };
+
+/// The position frequency e of token t turns by: row 0 (`pos0`, already loaded) unless
+/// mRoPE picks row 1 or 2 for e (SPEC §7; include/ropepool/schedule.hpp, mrope_axis).
+template <int kFreqCap>
+__device__ __forceinline__ int64_t mrope_position(const KernelParams<kFreqCap>& p, int e,
+                                                  int64_t t, int64_t pos0) {
+  int axis = 0;
+  if (p.mrope_interleaved) {
+    axis = e % 3 == 1 && e < 3 * p.mrope_section[1]   ? 1
+           : e % 3 == 2 && e < 3 * p.mrope_section[2] ? 2
+                                                       : 0;
+  } else {
+    axis = e < p.mrope_section[0] ? 0 : e < p.mrope_section[0] + p.mrope_section[1] ? 1 : 2;
+  }
+  if (axis == 0) return pos0;
+  const int64_t es = p.positions_int64 ? 8 : 4;
+  const void* row = static_cast<const char*>(p.positions) + axis * p.positions_row_stride * es;
+  return p.positions_int64 ? __ldg(static_cast<const long long*>(row) + t * p.positions_stride)
+                           : int64_t(__ldg(static_cast<const int*>(row) + t * p.positions_stride));
+}
 
 __device__ unsigned int g_slot_locks[kSlotLocks];
 __device__ unsigned long long g_slot_error_claim;
@@ -504,7 +529,8 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
   if (e0 < half) {
     const int64_t pos = load_index(p.positions, p.positions_stride, p.positions_int64, t);
     for (int e = e0; e < half; e += blockDim.x)
-      angle_sincos(pos, touch && e == e0 ? f0 : p.inv_freq[e], p.attention_scaling, &cos_row[e],
+      angle_sincos(p.mrope ? mrope_position(p, e, t, pos) : pos,  // SPEC §7
+                   touch && e == e0 ? f0 : p.inv_freq[e], p.attention_scaling, &cos_row[e],
                    &sin_row[e]);
   }
   if (scan) cp_async_wait_all();

@@ -203,7 +203,8 @@ struct Problem {
 
 /// Checks q_out/k_out against the float64 reference (SPEC §1 bound), and every pool row:
 /// written rows bit-equal to k_out / v of their token, the others unchanged.
-bool check_outputs(Problem& pr, const std::string& what, bool expect_written = true) {
+bool check_outputs(Problem& pr, const std::string& what, bool expect_written = true,
+                   const TensorView* q_norm_host = nullptr, const TensorView* k_norm_host = nullptr) {
   const Case& c = pr.c;
   const int64_t T = c.T, Hq = c.Hq, Hk = c.Hk, D = c.D;
   const size_t es = pr.es;
@@ -219,7 +220,11 @@ bool check_outputs(Problem& pr, const std::string& what, bool expect_written = t
   if (expect_written) {
     for (auto [x, out, H, name] : {std::tuple{&pr.host.q, &q_out, Hq, "q"}, {&pr.host.k, &k_out, Hk, "k"}}) {
       const TensorView got = TensorView::contiguous(const_cast<uint8_t*>(out->data()) + size_t(off) * es, c.dtype, {T, H, D});
-      const CheckStats s = check_rotation(name, *x, got, pr.host.positions, schedule, c.interleaved);
+      RotationCheck how;  // SPEC §7: normalised where the call normalises
+      how.norm_weight = x == &pr.host.q ? q_norm_host : k_norm_host;
+      how.norm_eps = pr.params.norm_eps.value_or(1e-6);
+      how.norm_gemma = pr.params.norm_style.value_or("rms") == "gemma";
+      const CheckStats s = check_rotation(name, *x, got, pr.host.positions, schedule, c.interleaved, how);
       for (const auto& f : s.first) note(f.second);
       bad += int(std::max<int64_t>(0, s.failures - int64_t(s.first.size())));
     }
@@ -551,6 +556,123 @@ void test_graph(Rng& rng) {
   cudaStreamDestroy(s);
 }
 
+// SPEC §7 (the fusion kernel, fusion_kernel.cuh): QK norm ("rms" with q-dtype weights,
+// "gemma" with float32 ones) and mRoPE (Qwen2-VL sections, Qwen3-VL interleaved), alone and
+// combined, against the float64 reference (with the one midpoint ulp §7 allows), every pool
+// row bit for bit; text-only mRoPE positions give the plain call's bits.
+void test_fusions(Rng& rng) {
+  struct F {
+    DType dt;
+    int64_t T, Hq, Hk, D, R;
+    bool il;
+    int norm;  // 0 none, 1 rms, 2 gemma
+    int mrope; // 0 none, 1 sections, 2 interleaved
+  };
+  std::vector<F> fs;
+  for (DType dt : {DType::Float32, DType::Float16, DType::BFloat16})
+    for (F f : {F{dt, 37, 32, 8, 128, 0, false, 1, 0}, F{dt, 1, 8, 4, 256, 0, false, 2, 0},
+                F{dt, 70, 28, 4, 128, 0, false, 0, 1}, F{dt, 64, 32, 8, 128, 0, false, 1, 2},
+                F{dt, 300, 4, 2, 64, 32, true, 2, 1}, F{dt, 9, 3, 1, 34, 0, false, 1, 2}})
+      fs.push_back(f);
+  for (const F& f : fs) {
+    Case c;
+    c.dtype = f.dt, c.T = f.T, c.Hq = f.Hq, c.Hk = f.Hk, c.D = f.D, c.R = f.R, c.interleaved = f.il;
+    c.index64 = f.T % 2 == 0;
+    c.max_position = int64_t(1) << 17;
+    Problem pr(c, rng);
+    const int64_t D = f.D, T = f.T, half = (f.R ? f.R : f.D) / 2;
+    // norm weights: host and device copies
+    const DType wt = f.norm == 2 ? DType::Float32 : f.dt;
+    const size_t wes = dtype_size(wt);
+    std::vector<uint8_t> h_w(size_t(2 * D) * wes);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    for (int64_t d = 0; d < 2 * D; ++d) {
+      const float w = (f.norm == 2 ? 0.f : 1.f) + 0.4f * normal(rng);
+      const uint32_t b = to_bits(w, wt);
+      std::memcpy(&h_w[size_t(d) * wes], &b, wes);
+    }
+    DeviceBuffer d_w(h_w.size());
+    ROPEPOOL_CUDA_OK(cudaMemcpy(d_w.ptr, h_w.data(), h_w.size(), cudaMemcpyHostToDevice));
+    const Device gpu{DeviceType::CUDA, 0};
+    TensorView hq = TensorView::contiguous(h_w.data(), wt, {D}),
+               hk = TensorView::contiguous(h_w.data() + size_t(D) * wes, wt, {D});
+    if (f.norm) {
+      pr.params.q_norm_weight = TensorView::contiguous(d_w.ptr, wt, {D}, gpu);
+      pr.params.k_norm_weight = TensorView::contiguous(d_w.bytes_at(size_t(D) * wes), wt, {D}, gpu);
+      pr.params.norm_eps = 1e-6;
+      if (f.norm == 2) pr.params.norm_style = "gemma";
+    }
+    // mRoPE positions [3, T]: row 0 the case's positions, rows 1-2 near it (a third equal)
+    const size_t is = c.index64 ? 8 : 4;
+    std::vector<uint8_t> h_pos3(size_t(3 * T) * is);
+    std::unique_ptr<DeviceBuffer> d_pos3;
+    if (f.mrope) {
+      const int64_t st = half / 4, sh = (half - st) / 2;
+      pr.params.rope_scaling.mrope_section = {st, sh, half - st - sh};
+      pr.params.rope_scaling.mrope_interleaved = f.mrope == 2;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t p0 = reference::load_index(pr.host.positions, t);
+        const bool text = rng() % 3 == 0;
+        for (int64_t r = 0; r < 3; ++r) {
+          const int64_t v = p0 + (r == 0 || text ? 0 : int64_t(rng() % 64));
+          if (c.index64) std::memcpy(&h_pos3[size_t(r * T + t) * is], &v, 8);
+          else { const int32_t v32 = int32_t(v); std::memcpy(&h_pos3[size_t(r * T + t) * is], &v32, 4); }
+        }
+      }
+      d_pos3 = std::make_unique<DeviceBuffer>(h_pos3.size());
+      ROPEPOOL_CUDA_OK(cudaMemcpy(d_pos3->ptr, h_pos3.data(), h_pos3.size(), cudaMemcpyHostToDevice));
+      const DType idt = c.index64 ? DType::Int64 : DType::Int32;
+      pr.host.positions = TensorView::contiguous(h_pos3.data(), idt, {3, T});
+      pr.dev.positions = TensorView::contiguous(d_pos3->ptr, idt, {3, T}, gpu);
+    }
+    char name[160];
+    std::snprintf(name, sizeof name, "fusion %s norm=%d mrope=%d", c.name().c_str(), f.norm, f.mrope);
+    try {
+      rope_pool_fused(pr.dev, pr.params);
+      ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
+    } catch (const std::exception& e) {
+      expect(false, std::string(name) + ": threw " + e.what());
+      continue;
+    }
+    check_outputs(pr, name, true, f.norm ? &hq : nullptr, f.norm ? &hk : nullptr);
+  }
+
+  // The norm kernel's head_dim limit, rejected by validation before anything runs.
+  {
+    Case c;
+    c.T = 2, c.Hq = 1, c.Hk = 1, c.D = 4096, c.dtype = DType::Float32;
+    Problem pr(c, rng);
+    DeviceBuffer d_w(size_t(c.D) * 4);
+    pr.params.q_norm_weight = TensorView::contiguous(d_w.ptr, DType::Float32, {c.D}, {DeviceType::CUDA, 0});
+    const std::string m = catch_message<Error>([&] { rope_pool_fused(pr.dev, pr.params); });
+    expect(m == "rope_pool_fused: head_dim = 4096 exceeds the limit of 2048 on the cuda backend "
+                "with q_norm_weight/k_norm_weight",
+           "norm head_dim limit: " + m);
+  }
+
+  // Text-only mRoPE (three equal rows) == the plain call, bit for bit (the same kernel).
+  for (DType dt : {DType::Float32, DType::BFloat16}) {
+    Case c;
+    c.dtype = dt, c.T = 50, c.Hq = 8, c.Hk = 2, c.D = 128;
+    Problem plain(c, rng), mrope(c, rng);
+    // the same inputs and pools in both
+    ROPEPOOL_CUDA_OK(cudaMemcpy(mrope.d_qkv->ptr, plain.h_qkv.data(), plain.h_qkv.size(), cudaMemcpyHostToDevice));
+    ROPEPOOL_CUDA_OK(cudaMemcpy(mrope.d_slots->ptr, plain.h_slots.data(), plain.h_slots.size(), cudaMemcpyHostToDevice));
+    std::vector<uint8_t> h_pos3(size_t(3) * plain.h_pos.size());
+    for (int r = 0; r < 3; ++r) std::memcpy(&h_pos3[size_t(r) * plain.h_pos.size()], plain.h_pos.data(), plain.h_pos.size());
+    DeviceBuffer d_pos3(h_pos3.size());
+    ROPEPOOL_CUDA_OK(cudaMemcpy(d_pos3.ptr, h_pos3.data(), h_pos3.size(), cudaMemcpyHostToDevice));
+    mrope.dev.positions = TensorView::contiguous(d_pos3.ptr, plain.dev.positions.dtype, {3, c.T}, {DeviceType::CUDA, 0});
+    mrope.params.rope_scaling.mrope_section = {16, 24, 24};
+    rope_pool_fused(plain.dev, plain.params);
+    rope_pool_fused(mrope.dev, mrope.params);
+    ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
+    const auto a = plain.fetch(*plain.d_q_out), b = mrope.fetch(*mrope.d_q_out);
+    const auto ka = plain.fetch(*plain.d_k_out), kb = mrope.fetch(*mrope.d_k_out);
+    expect(a == b && ka == kb, std::string("text-only mRoPE equals the plain call, ") + dtype_name(dt));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -571,6 +693,7 @@ int main(int argc, char** argv) {
   test_grid(quick, rng);
   test_slot_errors(rng);
   test_graph(rng);
+  test_fusions(rng);
   if (!quick) test_large_pool(rng);
   std::printf("tests: %d checks, %d failures\n", g_checks, g_failures);
   return g_failures == 0 ? 0 : 1;
