@@ -448,14 +448,21 @@ HWY_INLINE void NormRow(const typename E::T* x, typename E::T* y, const float* H
                         float eps, int64_t D, bool gemma) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  VF acc = hn::Zero(df);
   int64_t i = 0;
+#if HWY_TARGET == HWY_SCALAR
+  // One lane would be one long float32 chain over the head: sum in double, round once.
+  double sum_d = 0;
+  for (; i < D; ++i) sum_d += double(E::scalar_load(x[i])) * double(E::scalar_load(x[i]));
+  const float sum = static_cast<float>(sum_d);
+#else
+  VF acc = hn::Zero(df);  // N float32 partial sums
   for (; i + N <= D; i += N) {
     const VF v = E::load(df, x + i);
     acc = hn::MulAdd(v, v, acc);
   }
   float sum = hn::GetLane(hn::SumOfLanes(df, acc));
   for (; i < D; ++i) sum += E::scalar_load(x[i]) * E::scalar_load(x[i]);
+#endif
   const float r = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
   const VF vr = hn::Set(df, r);
   for (i = 0; i + N <= D; i += N) {
