@@ -679,6 +679,9 @@ struct PoolCase {
   int64_t pages = 0;      ///< 0: room for 2T + 5 slots, plus a page
   int64_t pad = 0;        ///< elements between runs of D, beyond D
   int64_t base_off = 0;   ///< bytes the pools' origin is shifted by (alignment tests)
+  /// > 0: the pool size the kernel is told (pages beyond the allocation are never addressed:
+  /// the slots stay below pages * page_size). Beyond 2^32 it takes the 64-bit page division.
+  int64_t claimed_pool_size = 0;
   bool fp8_pool = false, fp8_q = false;
   float k_scale = 1, v_scale = 1, q_scale = 1;
   bool scale_ptrs = false;  ///< scales as one float32 each in device memory
@@ -700,6 +703,7 @@ struct PoolCase {
                   fp8_q ? (" q_out=fp8 qs=" + std::to_string(q_scale)).c_str() : "",
                   (fp8_pool || fp8_q) ? (scale_ptrs ? " (scale ptrs)" : " (scale values)") : "",
                   specials ? " +nan/inf/ties" : "", kernel_name(kernel));
+    if (claimed_pool_size) return b + std::string(" pool_size=") + std::to_string(claimed_pool_size);
     return b;
   }
 };
@@ -745,7 +749,7 @@ struct PoolRun {
     prob.k_pool = pool_rows(kbuf, g.k_origin);
     prob.v_pool = pool_rows(vbuf, g.v_origin);
     prob.page_size = ps;
-    prob.pool_size = P;
+    prob.pool_size = c.claimed_pool_size ? c.claimed_pool_size : P;
     prob.pool_dtype = c.fp8_pool ? DType::Float8E4M3FN : c.dtype;
     if (c.fp8_q) {
       q8 = std::make_unique<DeviceBuffer>(size_t(c.T * c.Hq * c.D));
@@ -977,6 +981,9 @@ void test_paged_layouts(Rng& rng) {
           }
           if (ps == 16 || ps == 5) {
             PoolCase d = c;
+            d.claimed_pool_size = ps * (int64_t(1) << 31);  // 64-bit page division (ps 5)
+            run_pool_case(d, rng, "paged");
+            d = c;
             d.kernel = Kernel::OneWarp;
             run_pool_case(d, rng, "paged");
             for (auto [D, R, il] : {std::tuple{80, 0, false}, {34, 0, false}, {64, 32, true}, {128, 64, false}}) {
