@@ -283,8 +283,16 @@ struct HeadOps {
                                               Raw& a, Raw& b) const {
     if (j >= pairs_per_head) return;
     if constexpr (kInterleaved && kVec > 1) {
-      float o[kVec];
-      rotate_in_vector(cos_row, sin_row, j, a, o);
+      // GPT-J pairs (x[2m], x[2m + 1]) inside one vector: frequencies j * kVec/2 + m.
+      constexpr int kPairs = kVec / 2;
+      float f[kVec], o[kVec];
+      IO::to_float(a, f);
+#pragma unroll
+      for (int m = 0; m < kPairs; ++m) {
+        const float c = cos_row[j * kPairs + m], s = sin_row[j * kPairs + m];
+        o[2 * m] = f[2 * m] * c - f[2 * m + 1] * s;
+        o[2 * m + 1] = f[2 * m] * s + f[2 * m + 1] * c;
+      }
       a = IO::from_float(o);
     } else {
       // Pair element i of (a, b) turns by frequency j * kVec + i (NeoX) or j (scalar GPT-J).
@@ -316,7 +324,8 @@ struct HeadOps {
     }
   }
 
-  /// GPT-J pairs (x[2m], x[2m + 1]) inside one vector: frequencies j * kVec/2 + m.
+  /// GPT-J pairs (x[2m], x[2m + 1]) inside one vector: frequencies j * kVec/2 + m (the fp8
+  /// variants; rotate_unit has the same code inline).
   __device__ __forceinline__ void rotate_in_vector(const float* cos_row, const float* sin_row, int j,
                                                    Raw a, float (&o)[kVec]) const {
     constexpr int kPairs = kVec / 2;
@@ -473,13 +482,16 @@ struct HeadOps {
       if (s.at[kKUnits + i] != nullptr) stage[2 * kKUnits + i] = IO::load(s.at[kKUnits + i]);
   }
 
-  /// Where token t's pool row starts: `slot` (variant 0: row slot * kp_row), or the offsets
-  /// of its page and row in k_pool and v_pool (pool elements).
+  /// Where token t's pool row starts: `slot` (variant 0: row slot * kp_row), or (paged) the
+  /// offsets of its page and row in k_pool and v_pool (pool elements), kept in shared memory
+  /// (`offsets`, written by the kv warp for itself) and read where each store needs them: two
+  /// 64-bit values held in registers across the rounds cost spills at the 64-register cap.
   struct PoolRow {
-    int64_t slot, k_off, v_off;
+    int64_t slot;
+    volatile int64_t* offsets;
   };
-  __device__ __forceinline__ PoolRow pool_row(int64_t slot) const {
-    PoolRow r{slot, 0, 0};
+  __device__ __forceinline__ PoolRow pool_row(int64_t slot, int64_t* offsets) const {
+    PoolRow r{slot, offsets};
     if constexpr (kPaged) {
       // slot -> (page, row), once per token: a shift for power-of-two page sizes (1 included),
       // else a 32-bit division when every slot fits, else a 64-bit one.
@@ -494,8 +506,11 @@ struct HeadOps {
         page = slot / p.pool.page_size;
         row = slot - page * p.pool.page_size;
       }
-      r.k_off = page * p.kp_row + row * p.pool.kp_in_page;
-      r.v_off = page * p.vp_row + row * p.pool.vp_in_page;
+      if (lane == 0) {  // used only when the row is written (slot in range)
+        offsets[0] = page * p.kp_row + row * p.pool.kp_in_page;
+        offsets[1] = page * p.vp_row + row * p.pool.vp_in_page;
+      }
+      __syncwarp();
     }
     return r;
   }
@@ -515,7 +530,7 @@ struct HeadOps {
         store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j,
                    stage[2 * i], stage[2 * i + 1]);
         if (to_pool)
-          store_unit_fp8(static_cast<uint8_t*>(p.k_pool) + row.k_off + c.head * p.kp_head, c.j, fa,
+          store_unit_fp8(static_cast<uint8_t*>(p.k_pool) + k_row_offset(row) + c.head * p.kp_head, c.j, fa,
                          fb, k_scale);
       } else {
         rotate_unit(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1]);
@@ -535,7 +550,7 @@ struct HeadOps {
         float f[kVec];
         IO::to_float(stage[2 * kKUnits + i], f);
         if constexpr (std::is_same_v<E, F16>) IO::keep_nan_signs(stage[2 * kKUnits + i], f);
-        Fp8::store(static_cast<uint8_t*>(p.v_pool) + row.v_off + c.head * p.vp_head + c.j * kVec,
+        Fp8::store(static_cast<uint8_t*>(p.v_pool) + v_row_offset(row) + c.head * p.vp_head + c.j * kVec,
                    Fp8::quantize(f, v_scale));
       } else {
         IO::store(static_cast<Bits*>(p.v_pool) + v_row_offset(row) + c.head * p.vp_head + c.j * kVec,
@@ -544,11 +559,11 @@ struct HeadOps {
     }
   }
   __device__ __forceinline__ int64_t k_row_offset(const PoolRow& r) const {
-    if constexpr (kPaged) return r.k_off;
+    if constexpr (kPaged) return r.offsets[0];
     else return r.slot * p.kp_row;
   }
   __device__ __forceinline__ int64_t v_row_offset(const PoolRow& r) const {
-    if constexpr (kPaged) return r.v_off;
+    if constexpr (kPaged) return r.offsets[1];
     else return r.slot * p.vp_row;
   }
 
@@ -629,9 +644,10 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
 
   const int64_t t = blockIdx.x;
   const int half = ops.half;
-  // kScales: k_scale, v_scale, q_scale in the first 16 bytes, then the table.
+  // kPool != 0: k_scale, v_scale, q_scale in bytes 0-11, the kv warp's pool row offsets in
+  // bytes 16-31 (PoolRowSlot), then the table.
   float* const scales = reinterpret_cast<float*>(shared);
-  float* cos_row = reinterpret_cast<float*>(shared) + (kScales ? 4 : 0);
+  float* cos_row = reinterpret_cast<float*>(shared) + (kPool != 0 ? 8 : 0);
   float* sin_row = cos_row + half;
   // kPoolWriteScan: every slot of the call (T <= kMaxScanTokens) as stored (int32 or int64),
   // after the table (2 * half floats: the slots start 8-byte aligned).
@@ -699,7 +715,8 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
                                   : static_cast<const int*>(scan_slots)[u]) == slot;
         to_pool = !__any_sync(0xffffffffu, later);
       }
-      const typename Ops::PoolRow row = ops.pool_row(slot);  // used only when to_pool
+      typename Ops::PoolRow row{slot, nullptr};
+      if constexpr (kPool != 0) row = ops.pool_row(slot, reinterpret_cast<int64_t*>(shared) + 2);
       // Lock mode: taken after the loads are in flight, after the barrier (no warp holds a
       // lock across it), released after the row's last store.
       unsigned int* lock = nullptr;
