@@ -381,6 +381,61 @@ struct HeadOps {
     }
   }
 
+  /// The fp8 pools (bfloat16 k): rotates unit j of (a, b) and stores it, rounded once to q's
+  /// dtype at `raw_head` (k_out; nullptr: none) and as e4m3(x / scale) of the float32 result
+  /// at `fp8_head` (k_pool; nullptr: none). A NeoX pair goes one half at a time, after
+  /// the other half's stores (which the table loads cannot pass), so only one half's float32
+  /// results are live at once under the 64-register cap.
+  __device__ __forceinline__ void emit_unit_fp8(const float* cos_row, const float* sin_row, int j,
+                                                Raw a, Raw b, Bits* raw_head, uint8_t* fp8_head,
+                                                float scale) const {
+    const int first = unit_first(j);
+    if (j >= pairs_per_head) {  // past rotary_dim: copied, and quantised from the input
+      if (raw_head != nullptr) IO::store(raw_head + first, a);
+      if (fp8_head != nullptr) {
+        float f[kVec];
+        IO::to_float(a, f);
+        if constexpr (std::is_same_v<E, F16>) IO::keep_nan_signs(a, f);
+        Fp8::store(fp8_head + first, Fp8::quantize(f, scale));
+      }
+      return;
+    }
+    if constexpr (kInterleaved && kVec > 1) {
+      float o[kVec];
+      rotate_in_vector(cos_row, sin_row, j, a, o);
+      if (raw_head != nullptr) IO::store(raw_head + first, IO::from_float(o));
+      if (fp8_head != nullptr) Fp8::store(fp8_head + first, Fp8::quantize(o, scale));
+    } else {
+      // Pair element i turns by frequency j * kVec + i (NeoX) or j (scalar GPT-J).
+      float xa[kVec], xb[kVec];
+      IO::to_float(a, xa);
+      IO::to_float(b, xb);
+      const float* ct = cos_row + j * kVec;
+      const float* st = sin_row + j * kVec;
+#pragma unroll
+      for (int second = 0; second < 2; ++second) {
+        float c[kVec], s[kVec], o[kVec];
+        if constexpr (kVec % 4 == 0) {
+#pragma unroll
+          for (int i = 0; i < kVec; i += 4) {
+            const float4 c4 = *reinterpret_cast<const float4*>(ct + i);
+            const float4 s4 = *reinterpret_cast<const float4*>(st + i);
+            c[i] = c4.x, c[i + 1] = c4.y, c[i + 2] = c4.z, c[i + 3] = c4.w;
+            s[i] = s4.x, s[i + 1] = s4.y, s[i + 2] = s4.z, s[i + 3] = s4.w;
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) c[i] = ct[i], s[i] = st[i];
+        }
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) o[i] = second ? xa[i] * s[i] + xb[i] * c[i] : xa[i] * c[i] - xb[i] * s[i];
+        const int at = first + (second ? partner() : 0);
+        if (raw_head != nullptr) IO::store(raw_head + at, IO::from_float(o));
+        if (fp8_head != nullptr) Fp8::store(fp8_head + at, Fp8::quantize(o, scale));
+      }
+    }
+  }
+
   /// Stores unit j of floats (fa, fb) as e4m3(x / scale) at `head` (an e4m3 head row).
   __device__ __forceinline__ void store_unit_fp8(uint8_t* head, int j, const float (&fa)[kVec],
                                                  const float (&fb)[kVec], float scale) const {
@@ -439,6 +494,7 @@ struct HeadOps {
     for (int i = 0; i < kQUnits; ++i, advance(c, units)) {
       if (c.head >= p.num_qo_heads) continue;
       if constexpr (kFp8QOut) {
+        // Both halves at once here: one half at a time spills more in the q chunks.
         float fa[kVec], fb[kVec];
         rotate_unit_float(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1], fa, fb);
         store_unit_fp8(static_cast<uint8_t*>(p.q_out) + t * p.qo_row + c.head * p.qo_head, c.j, fa,
@@ -524,14 +580,24 @@ struct HeadOps {
     for (int i = 0; i < kKUnits; ++i, advance(c, units)) {
       if (c.head >= p.num_kv_heads) continue;
       if constexpr (kFp8Pool) {
-        // k_pool from the rotated float32 values, before they are rounded to q's dtype.
-        float fa[kVec], fb[kVec];
-        rotate_unit_float(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1], fa, fb);
-        store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j,
-                   stage[2 * i], stage[2 * i + 1]);
-        if (to_pool)
-          store_unit_fp8(static_cast<uint8_t*>(p.k_pool) + k_row_offset(row) + c.head * p.kp_head, c.j, fa,
-                         fb, k_scale);
+        // k_pool from the rotated float32 values, before they are rounded to q's dtype. One
+        // half of a pair at a time spills less for bfloat16 inputs, more for the others
+        // (ptxas -v at the 64-register cap).
+        if constexpr (std::is_same_v<E, BF16>) {
+          emit_unit_fp8(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1],
+                        static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head,
+                        to_pool ? static_cast<uint8_t*>(p.k_pool) + k_row_offset(row) + c.head * p.kp_head
+                                : nullptr,
+                        k_scale);
+        } else {
+          float fa[kVec], fb[kVec];
+          rotate_unit_float(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1], fa, fb);
+          store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j,
+                     stage[2 * i], stage[2 * i + 1]);
+          if (to_pool)
+            store_unit_fp8(static_cast<uint8_t*>(p.k_pool) + k_row_offset(row) + c.head * p.kp_head, c.j,
+                           fa, fb, k_scale);
+        }
       } else {
         rotate_unit(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1]);
         store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j,
