@@ -7,4 +7,5 @@ namespace ropepool::python {
 void init_rope_pool(nanobind::module_& m);
 void init_threads(nanobind::module_& m);
 void init_cuda(nanobind::module_& m);
+void init_mla(nanobind::module_& m);
 }  // namespace ropepool::python

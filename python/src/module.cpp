@@ -61,4 +61,5 @@ NB_MODULE(_ropepool, m) {
   ropepool::python::init_rope_pool(m);
   ropepool::python::init_threads(m);
   ropepool::python::init_cuda(m);
+  ropepool::python::init_mla(m);
 }
