@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "slot_errors.hpp"  // SlotErrorRecord
 #include "vec.cuh"
 
 namespace ropepool::cuda {
@@ -39,16 +40,6 @@ enum PoolWriteMode : int {
   kPoolWriteScan = 1,    ///< T <= kMaxScanTokens: a token skips its write if a later token
                          ///< has its slot (last token wins, as on the CPU)
   kPoolWriteLock = 2,    ///< per-slot spin lock around the whole row write
-};
-
-/// The first out-of-range slot seen by any call on a device since the host last looked.
-/// Lives in mapped pinned host memory so the host reads it without a device sync.
-struct SlotErrorRecord {
-  unsigned long long seq_written;  ///< device: bumped after token/slot/pool_size are written
-  long long token;
-  long long slot;
-  long long pool_size;
-  unsigned long long seq_acked;  ///< host: the last seq_written it reported
 };
 
 template <int kFreqCap>
