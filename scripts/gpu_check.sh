@@ -16,7 +16,7 @@
 #   1. pip install the package with the CUDA backend (sm_90)
 #   2. CMake build of the library with CUDA, the C++ tests (CUDA test included), the CUDA
 #      benchmark and the CLI; ctest of everything but the GPU tests (`-LE gpu`)
-#   3. the GPU tests (`ctest -L gpu`: tests/cuda/test_cuda.cu): every kernel path vs the
+#   3. the GPU tests (`ctest -L gpu`: tests/cuda/test_cuda.cu, test_mla_cuda.cu): every kernel path vs the
 #      float64 reference, SPEC §3 slot errors, duplicates, a pool over 4 GiB, CUDA graphs
 #   4. the whole pytest suite (CPU and GPU tests; with two GPUs also the two-device tests
 #      and a two-rank tensor-parallel run over NCCL), then examples/decode.py on CUDA with
@@ -178,6 +178,12 @@ elif [ -x "$CUDA_TEST" ] && [ -x "$SAN" ]; then
   done
 else
   step "compute-sanitizer" 0 "SKIPPED" "no CUDA test binary or no compute-sanitizer"
+fi
+MLA_TEST=$BUILD/cpp/tests/cuda/ropepool_test_mla_cuda
+if [ "$TESTS" != 0 ] && [ -x "$MLA_TEST" ] && [ -x "$SAN" ]; then
+  run_step "compute-sanitizer memcheck (MLA CUDA test)" "$LOGS/sanitizer.log" 300 \
+    "$SAN" --tool memcheck --leak-check no --error-exitcode 99 "$MLA_TEST"
+  NOTES[-1]="$(grep -E 'ERROR SUMMARY' "$LOGS/sanitizer.log" | tail -n 1)"
 fi
 
 # --- 6: benchmarks --------------------------------------------------------------------------
