@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "backend.hpp"
+#include "ropepool/half.hpp"
 
 namespace ropepool::detail {
 
@@ -32,6 +33,25 @@ struct MlaProblem {
   bool check_slots = false;
   void* stream = nullptr;
 };
+
+/// ropepool::float_to_e4m3 (SPEC §6: round to nearest even, +-448 beyond, NaN kept) by
+/// integer operations on the float's bits, for the CPU kernel's inner loop; equal to it for
+/// every float (tests/cpp/test_mla.cpp).
+inline uint8_t e4m3_bits(float x) {
+  const uint32_t u = float_bits(x);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint8_t(sign | 0x7f);  // NaN
+  if (a > 0x43e00000u) return uint8_t(sign | 0x7e);  // beyond 448, infinity included
+  if (a < 0x3c800000u) {
+    // below 2^-6: steps of 2^-9; a * 512 (exact) + 2^23 rounds to an integer, ties to even
+    const float t = bits_float(a) * 512.0f + 8388608.0f;
+    return uint8_t(sign | (float_bits(t) - 0x4b000000u));  // 8: the smallest normal
+  }
+  // normal: three mantissa bits, ties to even; a carry moves into the exponent
+  const uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);
+  return uint8_t(sign | ((r >> 20) - (120u << 3)));
+}
 
 /// SPEC §3 for MLA on host-readable slots, with the op's name in the messages.
 void mla_check_slot_values(const Index& slots, int64_t T, int64_t P, bool reject_duplicates);

@@ -52,7 +52,7 @@ void rotate(const float* x, float* out, const float* c, const float* s, int64_t 
 }
 
 void quantise(const float* x, uint8_t* out, int64_t n, float scale) {
-  for (int64_t i = 0; i < n; ++i) out[i] = float_to_e4m3(x[i] / scale);
+  for (int64_t i = 0; i < n; ++i) out[i] = e4m3_bits(x[i] / scale);
 }
 
 void run_tokens(const MlaPlan& plan, int64_t t0, int64_t t1) {

@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "ropepool_mla_kit.hpp"
+#include "../../src/mla_backend.hpp"
 #include "../../src/test_hooks.hpp"
 #include "test_support.hpp"
 
@@ -210,6 +211,26 @@ TEST_F(Mla, AngleLimit) {
   expect_rejected(c, "mla_rope_pool_fused: positions[1] = 8589934592 times inv_freq[0] = 1.0 is an "
                      "angle of 8589934592.0 rad, beyond the limit of 2^32 = 4294967296 rad that "
                      "the angle reduction handles");
+}
+
+// The CPU kernel's e4m3 conversion is SPEC §6's rule (float_to_e4m3): every float whose
+// exponent reaches the e4m3 range (2^-11 .. 2^9, where both rounding regimes and every tie
+// live), both signs, all mantissas; a stride through all the other bit patterns.
+TEST(MlaE4m3, EqualsTheRuleForEveryFloat) {
+  int64_t bad = 0;
+  auto one = [&](uint32_t u) {
+    const float f = bits_float(u);
+    if (detail::e4m3_bits(f) != float_to_e4m3(f) && ++bad <= 5)
+      ADD_FAILURE() << "bits 0x" << std::hex << u << ": " << int(detail::e4m3_bits(f)) << " vs "
+                    << int(float_to_e4m3(f));
+  };
+  for (uint32_t sign : {0u, 0x80000000u})
+    for (uint32_t e = 127 - 11; e <= 127 + 9; ++e)
+      for (uint32_t m = 0; m < (1u << 23); ++m) one(sign | (e << 23) | m);
+  for (uint64_t u = 0; u < (uint64_t(1) << 32); u += 4093) one(uint32_t(u));
+  for (uint32_t u : {0u, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00001u, 1u, 0x80000001u})
+    one(u);
+  EXPECT_EQ(bad, 0);
 }
 
 // Every validation message, in SPEC §2's order, each with nothing written.
