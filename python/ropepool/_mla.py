@@ -148,6 +148,14 @@ def mla_rope_pool_fused(
     interleaved, inplace, check_slots = bool(interleaved), bool(inplace), bool(check_slots)
     if torch is not None and all(isinstance(t, torch.Tensor) for t in tensors):
         scalars = (scale_tensor, rope_base, interleaved, freqs, att, nhd, scale_value, check_slots)
+        if _plain_eager(tensors):
+            # As rope_pool_fused: eager calls on plain tensors run the op's kernel function
+            # directly, without the dispatcher's Python overhead.
+            if inplace:
+                _mla_inplace_kernel(*tensors, *scalars)
+                return q_pe, k_pe, kv_cache
+            q_rot, k_rot = _mla_kernel(*tensors, *scalars)
+            return q_rot, k_rot, kv_cache
         if inplace:
             torch.ops.ropepool.mla_rope_pool_fused_(*tensors, *scalars)
             return q_pe, k_pe, kv_cache
@@ -197,7 +205,7 @@ def validate_mla_rope_pool(q_pe, k_pe, kv_c, positions, slots, kv_cache, *, rope
 if torch is None:
     _to_dlpack = None
 else:
-    from ropepool._op import _LIB
+    from ropepool._op import _LIB, _plain_eager
     from ropepool._torch_compat import current_device as _current_device
     from ropepool._torch_compat import current_raw_stream as _current_raw_stream
     from ropepool._torch_compat import increment_version as _increment_version
