@@ -24,7 +24,8 @@
 #   5. compute-sanitizer on the CUDA test (small grid): memcheck, racecheck, initcheck and
 #      synccheck
 #   6. the C++ benchmark (bench/cuda: the kernel alone, with and without PDL) and
-#      bench/gpu_bench.py (ropepool vs PyTorch eager, torch.compile, copy)
+#      bench/gpu_bench.py (ropepool vs PyTorch eager, torch.compile, copy), and
+#      bench/gpu_bench_mla.py (mla_rope_pool_fused vs PyTorch eager, copy)
 # Logs go to $OUT (or ./gpu-check-logs): at most 8 files. A summary table is printed last.
 # Exit status: 0 when every step passed.
 set -uo pipefail
@@ -198,6 +199,8 @@ else
     run_step "bench/gpu_bench.py" "$LOGS/bench.log" 360 \
       bash -c "cd /tmp && OUT='$LOGS' ROPEPOOL_BENCH_WATCHDOG_S=${ROPEPOOL_BENCH_WATCHDOG_S:-300} \
         $PY '$ROOT/bench/gpu_bench.py' --json '$LOGS/gpu_bench.json'"
+    run_step "bench/gpu_bench_mla.py" "$LOGS/bench.log" 360 \
+      bash -c "cd /tmp && $PY '$ROOT/bench/gpu_bench_mla.py'"  # figures in bench.log (8 log files at most)
   fi
 fi
 
