@@ -153,7 +153,7 @@ struct Chunk {
 // kN elements per chunk: 16 bytes on the vector path; on the scalar path 2 (one GPT-J pair,
 // or one element of each half for NeoX, kN = 1).
 template <class E, int kN, bool kVector, bool kGptj, bool kFp8>
-__global__ void __launch_bounds__(256) mla_token_kernel(const __grid_constant__ MlaParams p) {
+__global__ void __launch_bounds__(1024) mla_token_kernel(const __grid_constant__ MlaParams p) {
   using C = Chunk<E, kN, kVector>;
   extern __shared__ float smem[];
   const int R = p.rope_dim, half = R / 2, L = p.latent_dim;
@@ -290,7 +290,9 @@ template <class E, int kN, bool kVector, bool kGptj, bool kFp8>
 void launch(const MlaProblem& m, const MlaParams& params, cudaStream_t stream) {
   const int units = kGptj ? int(m.rope_dim / kN) : int(m.rope_dim / 2 / kN);
   const int64_t work = std::max<int64_t>((m.num_heads + 1) * units, (m.latent_dim + m.rope_dim) / kN);
-  const int threads = int(std::clamp<int64_t>((work + 31) / 32 * 32, 32, 256));
+  // A thread per unit (up to 1024): a decode step (T = 1) is one chain of memory latencies,
+  // and more loads in flight shorten it.
+  const int threads = int(std::clamp<int64_t>((work + 31) / 32 * 32, 32, 1024));
   const size_t shared = size_t(2 * m.rope_dim) * sizeof(float);
   mla_token_kernel<E, kN, kVector, kGptj, kFp8>
       <<<dim3(unsigned(m.num_tokens)), dim3(unsigned(threads)), shared, stream>>>(params);
@@ -350,9 +352,16 @@ void mla_rope_pool_cuda(const MlaProblem& m) {
     // SPEC §3 exactly as on the CPU, for one synchronisation: a host copy of the slots.
     const size_t es = m.slots.is_int64 ? 8 : 4;
     std::vector<unsigned char> bytes(size_t(T) * es);
-    check(cudaMemcpy2DAsync(bytes.data(), es, m.slots.data, size_t(m.slots.stride) * es, es,
-                            size_t(T), cudaMemcpyDeviceToHost, stream),
-          "cudaMemcpy2DAsync (slots)");
+    const char* src = static_cast<const char*>(m.slots.data);
+    if (m.slots.stride >= 1)
+      check(cudaMemcpy2DAsync(bytes.data(), es, src, size_t(m.slots.stride) * es, es, size_t(T),
+                              cudaMemcpyDeviceToHost, stream),
+            "cudaMemcpy2DAsync (slots)");
+    else  // a reversed or broadcast view: one entry at a time
+      for (int64_t t = 0; t < T; ++t)
+        check(cudaMemcpyAsync(bytes.data() + t * es, src + t * m.slots.stride * int64_t(es), es,
+                              cudaMemcpyDeviceToHost, stream),
+              "cudaMemcpyAsync (slots)");
     check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (check_slots)");
     mla_check_slot_values(Index{bytes.data(), 1, m.slots.is_int64}, T, m.pool_size, true);
   }
