@@ -455,3 +455,22 @@ def test_cuda_bad_slot_reported_not_written(rng):
             assert (raw_bits(rows[s, :512]) == raw_bits(call.kv_c[t].cpu())).all()
     with pytest.raises(ValueError, match=re.escape("mla_rope_pool_fused: slots[5] = 32 is out of range")):
         ropepool.mla_rope_pool_fused(*call.args(), rope_base=10000.0, check_slots=True)
+
+
+def test_custom_op_equals_eager_path_and_empty_call(rng):
+    """The registered op (what torch.compile and dispatch modes reach) gives the eager fast
+    path's bits; T = 0 returns empty outputs and writes nothing."""
+    call = Call(rng, dtype="bfloat16", device="cpu", T=5, H=16)
+    sched = schedule_of("deepseek-v3")
+    cache_before = call.kv_cache.clone()
+    q1, k1, _ = ropepool.mla_rope_pool_fused(*call.args(), rope_base=10000, schedule=sched)
+    rows1 = call.kv_cache.clone()
+    call.kv_cache.copy_(cache_before)
+    q2, k2 = torch.ops.ropepool.mla_rope_pool_fused(
+        *call.args(), None, 10000.0, True, list(sched.inv_freq), sched.attention_scaling, False,
+        None, False)
+    assert torch.equal(q1, q2) and torch.equal(k1, k2) and torch.equal(rows1, call.kv_cache)
+    empty = Call(rng, dtype="bfloat16", device="cpu", T=0, H=16)
+    q, k, cache = ropepool.mla_rope_pool_fused(*empty.args(), rope_base=10000.0)
+    assert q.shape == (0, 16, 64) and k.shape == (0, 64)
+    assert torch.equal(raw_bits_t(cache), raw_bits_t(empty.before))
