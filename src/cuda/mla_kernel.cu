@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../mla_backend.hpp"
+#include "angle.cuh"
 #include "limits.hpp"
 #include "ropepool/error.hpp"
 #include "slot_errors.hpp"
@@ -55,27 +56,8 @@ struct MlaParams {
 
 __device__ unsigned int g_mla_row_locks[kRowLocks];
 
-__device__ __forceinline__ int64_t load_index(const void* data, int64_t stride, bool is_int64,
-                                              int64_t i) {
-  return is_int64 ? __ldg(static_cast<const long long*>(data) + i * stride)
-                  : int64_t(__ldg(static_cast<const int*>(data) + i * stride));
-}
-
-// cos and sin of pos * inv_freq, times scale: the angle formed and reduced in double,
-// __sincosf only on the reduced angle (accurate there).
-__device__ __forceinline__ void angle_sincos(int64_t pos, double inv_freq, float scale, float* c,
-                                             float* s) {
-  constexpr double kTwoPiHi = 6.283185307179586232;
-  constexpr double kTwoPiLo = 2.449293598294706414e-16;
-  constexpr double kInvTwoPi = 0.15915494309189534561;
-  const double theta = double(pos) * inv_freq;
-  const double turns = rint(theta * kInvTwoPi);
-  const double r = fma(-turns, kTwoPiLo, fma(-turns, kTwoPiHi, theta));
-  float sr, cr;
-  __sincosf(float(r), &sr, &cr);
-  *c = cr * scale;
-  *s = sr * scale;
-}
+using cuda::angle_sincos;
+using cuda::load_index;
 
 // SPEC §6: e4m3(x / scale), the division in float32 (IEEE), round to nearest even, +-448 on
 // overflow (infinities included), NaN kept NaN with its sign.
