@@ -11,6 +11,7 @@
 
 #include "format.hpp"
 #include "mla_backend.hpp"
+#include "validation_util.hpp"
 #include "ropepool/error.hpp"
 #include "ropepool/mla.hpp"
 #include "ropepool/rope_pool.hpp"
@@ -20,6 +21,9 @@ namespace ropepool {
 namespace {
 
 constexpr const char* kOp = "mla_rope_pool_fused";
+using detail::same_shape;
+using detail::same_view;
+using detail::strides_str;
 
 [[noreturn]] void fail(const std::string& message, std::string hint = {}) {
   throw Error(std::string(kOp) + ": " + message, std::move(hint));
@@ -29,27 +33,6 @@ std::string dims(std::initializer_list<int64_t> d) {
   std::string s = "[";
   for (int64_t x : d) s += (s.size() > 1 ? ", " : "") + std::to_string(x);
   return s + "]";
-}
-
-std::string strides_str(const TensorView& v) {
-  std::string s = "(";
-  for (int i = 0; i < v.ndim; ++i) s += (i ? ", " : "") + std::to_string(v.strides[i]);
-  return s + ")";
-}
-
-bool same_shape(const TensorView& a, const TensorView& b) {
-  if (a.ndim != b.ndim) return false;
-  for (int i = 0; i < a.ndim; ++i)
-    if (a.shape[i] != b.shape[i]) return false;
-  return true;
-}
-
-// The same memory, shape and strides: an output that is its input (in-place rotation).
-bool same_view(const TensorView& a, const TensorView& b) {
-  if (a.data != b.data || a.dtype != b.dtype || !same_shape(a, b)) return false;
-  for (int i = 0; i < a.ndim; ++i)
-    if (a.shape[i] > 1 && a.strides[i] != b.strides[i]) return false;
-  return true;
 }
 
 // One memory location per element of a view with a contiguous last dimension (rank <= 3):
@@ -285,38 +268,7 @@ struct Checker {
       fail("num_tokens = " + std::to_string(t.q_pe.shape[0]) + " exceeds the limit of " +
                std::to_string(b.max_tokens) + on(),
            "split the call");
-    angles(schedule, b);
-  }
-
-  // SPEC §1's angle limit, as rope_pool_fused applies it.
-  void angles(const RopeSchedule& schedule, const detail::BackendLimits& b) const {
-    double max_f = 0;
-    size_t arg_f = 0;
-    for (size_t i = 0; i < schedule.inv_freq.size(); ++i)
-      if (std::fabs(schedule.inv_freq[i]) > max_f) max_f = std::fabs(schedule.inv_freq[i]), arg_f = i;
-    const int64_t T = t.q_pe.shape[0];
-    if (max_f == 0 || T == 0) return;
-    const char* limit = "the limit of 2^32 = 4294967296 rad that the angle reduction handles";
-    auto freq = [&] { return "inv_freq[" + std::to_string(arg_f) + "] = " + detail::py_float(max_f); };
-    const char* hint = "check rope_base, rope_scaling or inv_freq (inverse frequencies are "
-                       "radians per position, at most 1 for the standard schedules)";
-    if (b.assumed_max_position > 0) {
-      if (b.assumed_max_position * max_f > b.max_angle)
-        fail("positions up to 2^31 in magnitude times " + freq() + " give angles up to " +
-                 detail::py_float(b.assumed_max_position * max_f) + " rad, beyond " + limit +
-                 " on the " + b.name + " backend",
-             hint);
-      return;
-    }
-    if (t.positions.dtype == DType::Int32 && 2147483648.0 * max_f <= b.max_angle) return;
-    const detail::Index pos = index(t.positions);
-    for (int64_t i = 0; i < T; ++i) {
-      const double theta = std::fabs(double(pos[i])) * max_f;
-      if (theta > b.max_angle)
-        fail("positions[" + std::to_string(i) + "] = " + std::to_string(pos[i]) + " times " +
-                 freq() + " is an angle of " + detail::py_float(theta) + " rad, beyond " + limit,
-             hint);
-    }
+    detail::check_angles(kOp, schedule, b, t.positions, t.q_pe.shape[0]);
   }
 
   // SPEC §3: every output against every input it does not replace and the other outputs.
