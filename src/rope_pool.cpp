@@ -9,12 +9,17 @@
 #include "backend.hpp"
 #include "format.hpp"
 #include "test_hooks.hpp"
+#include "validation_util.hpp"
 #include "ropepool/error.hpp"
 #include "ropepool/rope_pool.hpp"
 #include "ropepool/schedule.hpp"
 
 namespace ropepool {
 namespace {
+
+using detail::same_shape;
+using detail::same_view;
+using detail::strides_str;
 
 const char* arg_name(Arg a) {
   switch (a) {
@@ -166,43 +171,8 @@ struct Checker {
       fail("rope_pool_fused: num_tokens = " + std::to_string(t.q.shape[0]) +
                " exceeds the limit of " + std::to_string(b.max_tokens) + on(),
            "split the call");
-    angles(schedule, b);
-  }
-
-  // SPEC §1: every accepted angle |positions[t] * inv_freq[i]| is one the reduction handles.
-  void angles(const RopeSchedule& schedule, const detail::BackendLimits& b) const {
-    double max_f = 0;
-    size_t arg_f = 0;
-    for (size_t i = 0; i < schedule.inv_freq.size(); ++i)
-      if (std::fabs(schedule.inv_freq[i]) > max_f) max_f = std::fabs(schedule.inv_freq[i]), arg_f = i;
-    const int64_t T = t.q.shape[0];
-    if (max_f == 0 || T == 0) return;
-    // The message parts are built only when a call fails: this runs on every call.
-    const char* limit = "the limit of 2^32 = 4294967296 rad that the angle reduction handles";
-    auto freq = [&] { return "inv_freq[" + std::to_string(arg_f) + "] = " + num(max_f); };
-    const char* hint = "check rope_base, rope_scaling or inv_freq (inverse frequencies are "
-                       "radians per position, at most 1 for the standard schedules)";
-    if (b.assumed_max_position > 0) {
-      // Positions in device memory: the bound their range allows (no synchronisation).
-      if (b.assumed_max_position * max_f > b.max_angle)
-        fail("rope_pool_fused: positions up to 2^31 in magnitude times " + freq() +
-                 " give angles up to " + num(b.assumed_max_position * max_f) + " rad, beyond " +
-                 limit + " on the " + b.name + " backend",
-             hint);
-      return;
-    }
-    // int32 positions cannot exceed 2^31: the default schedules (max inv_freq 1) never scan.
-    if (t.positions.dtype == DType::Int32 && 2147483648.0 * max_f <= b.max_angle) return;
-    if (!o.data_readable) return;  // shapes-only validation: the run scans
-    const detail::Index pos = index(t.positions);
-    for (int64_t i = 0; i < T; ++i) {
-      const double theta = std::fabs(double(pos[i])) * max_f;
-      if (theta > b.max_angle)
-        fail("rope_pool_fused: positions[" + std::to_string(i) + "] = " +
-                 std::to_string(pos[i]) + " times " + freq() + " is an angle of " + num(theta) +
-                 " rad, beyond " + limit,
-             hint);
-    }
+    detail::check_angles("rope_pool_fused", schedule, b, t.positions, t.q.shape[0],
+                         o.data_readable);
   }
 
   static std::string num(double x) { return detail::py_float(x); }
@@ -249,13 +219,6 @@ struct Checker {
         if (meet(out_span[o], out_span[o2]) && views_overlap(*outs[o].view, *outs[o2].view))
           reject(outs[o].name, outs[o2].name);
     }
-  }
-
-  static bool same_view(const TensorView& a, const TensorView& b) {
-    if (a.data != b.data || a.dtype != b.dtype || !same_shape(a, b)) return false;
-    for (int i = 0; i < a.ndim; ++i)
-      if (a.shape[i] > 1 && a.strides[i] != b.strides[i]) return false;
-    return true;
   }
 
   void devices() const {
@@ -307,19 +270,6 @@ struct Checker {
     return {{{Arg::q, &t.q},           {Arg::k, &t.k},         {Arg::v, &t.v},
             {Arg::positions, &t.positions}, {Arg::slots, &t.slots}, {Arg::k_pool, &t.k_pool},
             {Arg::v_pool, &t.v_pool}, {Arg::q_out, &t.q_out}, {Arg::k_out, &t.k_out}}};
-  }
-
-  static bool same_shape(const TensorView& a, const TensorView& b) {
-    if (a.ndim != b.ndim) return false;
-    for (int i = 0; i < a.ndim; ++i)
-      if (a.shape[i] != b.shape[i]) return false;
-    return true;
-  }
-
-  static std::string strides_str(const TensorView& v) {
-    std::string s = "(";
-    for (int i = 0; i < v.ndim; ++i) s += (i ? ", " : "") + std::to_string(v.strides[i]);
-    return s + ")";
   }
 
   // [rows, heads, D] with unit last stride: dims of extent > 1, taken by increasing stride,

@@ -21,6 +21,7 @@
 #include "launch.hpp"
 #include "limits.hpp"
 #include "rope_pool_kernel.cuh"
+#include "slot_errors.hpp"
 #include "ropepool/cuda.hpp"
 #include "ropepool/error.hpp"
 
@@ -417,6 +418,23 @@ void rope_pool_cuda_with(const RopePoolProblem& problem, const LaunchConfig& ove
   run(problem, overrides);
 }
 }  // namespace cuda_launch
+
+namespace cuda_slot_errors {  // slot_errors.hpp: the record, for the other ops' launchers
+int device_of(const void* data) { return detail::device_of(data); }
+void report_pending(int device) { report_pending_slot_error(device); }
+cuda::SlotErrorRecord* record(int device) { return error_record_for_device(device); }
+unsigned long long* claim(int device) {
+  static std::atomic<unsigned long long*> claims[kMaxDevices] = {};
+  unsigned long long* p = claims[device].load(std::memory_order_acquire);
+  if (p == nullptr) {
+    void* address = nullptr;
+    check(cudaGetSymbolAddress(&address, cuda::g_slot_error_claim), "cudaGetSymbolAddress");
+    p = static_cast<unsigned long long*>(address);
+    claims[device].store(p, std::memory_order_release);
+  }
+  return p;
+}
+}  // namespace cuda_slot_errors
 
 BackendLimits cuda_limits() { return cuda_limits_values::value(); }
 

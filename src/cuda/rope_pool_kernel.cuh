@@ -23,6 +23,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "angle.cuh"  // load_index, angle_sincos
+#include "slot_errors.hpp"  // SlotErrorRecord
 #include "vec.cuh"
 
 namespace ropepool::cuda {
@@ -51,16 +53,6 @@ enum PoolVariant : int {
   kPoolPaged = 1,  ///< slot s at page s / page_size, row s % page_size (runtime page size)
   kPoolFp8 = 2,    ///< k_pool / v_pool in float8 e4m3fn: e4m3(x / k_scale or v_scale)
   kQOutFp8 = 4,    ///< q_out in float8 e4m3fn: e4m3(q_rot / q_scale)
-};
-
-/// The first out-of-range slot seen by any call on a device since the host last looked.
-/// Lives in mapped pinned host memory so the host reads it without a device sync.
-struct SlotErrorRecord {
-  unsigned long long seq_written;  ///< device: bumped after token/slot/pool_size are written
-  long long token;
-  long long slot;
-  long long pool_size;
-  unsigned long long seq_acked;  ///< host: the last seq_written it reported
 };
 
 /// Parameters of the kernels with kPool != 0 only, after the seed's block (KernelParams<.., true>).
@@ -108,30 +100,6 @@ struct KernelParams<kFreqCap, true> : KernelParams<kFreqCap, false> {
 
 __device__ unsigned int g_slot_locks[kSlotLocks];
 __device__ unsigned long long g_slot_error_claim;
-
-__device__ __forceinline__ int64_t load_index(const void* data, int64_t stride, bool is_int64,
-                                              int64_t i) {
-  return is_int64 ? __ldg(static_cast<const long long*>(data) + i * stride)
-                  : int64_t(__ldg(static_cast<const int*>(data) + i * stride));
-}
-
-/// cos and sin of pos * inv_freq, times scale, to float32 accuracy for |pos| < 2^21.
-/// The angle is formed and reduced to [-pi, pi] in double (one DMUL, a DFMA pair: Hopper
-/// runs FP64 at half the FP32 rate and this is done once per (token, frequency)); __sincosf
-/// is only used on the reduced angle, where its absolute error is below 2^-21.
-__device__ __forceinline__ void angle_sincos(int64_t pos, double inv_freq, float scale,
-                                             float* c, float* s) {
-  constexpr double kTwoPiHi = 6.283185307179586232;     // 2*pi rounded to double
-  constexpr double kTwoPiLo = 2.449293598294706414e-16;  // 2*pi - kTwoPiHi
-  constexpr double kInvTwoPi = 0.15915494309189534561;
-  const double theta = double(pos) * inv_freq;
-  const double turns = rint(theta * kInvTwoPi);
-  const double r = fma(-turns, kTwoPiLo, fma(-turns, kTwoPiHi, theta));
-  float sr, cr;
-  __sincosf(float(r), &sr, &cr);
-  *c = cr * scale;
-  *s = sr * scale;
-}
 
 /// Records the first bad slot since the host last acknowledged one. `seq_acked` is read
 /// from host memory (slow, error path only); the device-side claim makes exactly one
