@@ -17,7 +17,7 @@
 #   1. pip install the package with the CUDA backend (sm_90)
 #   2. CMake build of the library with CUDA, the C++ tests (CUDA test included), the CUDA
 #      benchmark and the CLI; ctest of everything but the GPU tests (`-LE gpu`)
-#   3. the GPU tests (`ctest -L gpu`: tests/cuda/test_cuda.cu): every kernel path vs the
+#   3. the GPU tests (`ctest -L gpu`: tests/cuda/test_cuda.cu, test_mla_cuda.cu): every kernel path vs the
 #      float64 reference, SPEC §3 slot errors, duplicates, a pool over 4 GiB, CUDA graphs
 #   4. the whole pytest suite (CPU and GPU tests; with two GPUs also the two-device tests
 #      and a two-rank tensor-parallel run over NCCL), then examples/decode.py on CUDA with
@@ -27,7 +27,8 @@
 #   5. compute-sanitizer on the CUDA test (small grid): memcheck, racecheck, initcheck and
 #      synccheck
 #   6. the C++ benchmark (bench/cuda: the kernel alone, with and without PDL) and
-#      bench/gpu_bench.py (ropepool vs PyTorch eager, torch.compile, copy)
+#      bench/gpu_bench.py (ropepool vs PyTorch eager, torch.compile, copy), and
+#      bench/gpu_bench_mla.py (mla_rope_pool_fused vs PyTorch eager, copy)
 # Logs go to $OUT (or ./gpu-check-logs): at most 8 files. A summary table is printed last.
 # Exit status: 0 when every step passed.
 set -uo pipefail
@@ -194,6 +195,12 @@ elif [ -x "$CUDA_TEST" ] && [ -x "$SAN" ]; then
 else
   step "compute-sanitizer" 0 "SKIPPED" "no CUDA test binary or no compute-sanitizer"
 fi
+MLA_TEST=$BUILD/cpp/tests/cuda/ropepool_test_mla_cuda
+if [ "$TESTS" != 0 ] && [ -x "$MLA_TEST" ] && [ -x "$SAN" ]; then
+  run_step "compute-sanitizer memcheck (MLA CUDA test)" "$LOGS/sanitizer.log" 300 \
+    "$SAN" --tool memcheck --leak-check no --error-exitcode 99 "$MLA_TEST"
+  NOTES[-1]="$(grep -E 'ERROR SUMMARY' "$LOGS/sanitizer.log" | tail -n 1)"
+fi
 
 # --- 6: benchmarks --------------------------------------------------------------------------
 if [ "${GPU_CHECK_BENCH:-1}" = 0 ]; then
@@ -207,6 +214,8 @@ else
     run_step "bench/gpu_bench.py" "$LOGS/bench.log" 360 \
       bash -c "cd /tmp && OUT='$LOGS' ROPEPOOL_BENCH_WATCHDOG_S=${ROPEPOOL_BENCH_WATCHDOG_S:-300} \
         $PY '$ROOT/bench/gpu_bench.py' --json '$LOGS/gpu_bench.json'"
+    run_step "bench/gpu_bench_mla.py" "$LOGS/bench.log" 360 \
+      bash -c "cd /tmp && $PY '$ROOT/bench/gpu_bench_mla.py'"  # figures in bench.log (8 log files at most)
   fi
 fi
 

@@ -9,12 +9,17 @@
 #include "backend.hpp"
 #include "format.hpp"
 #include "test_hooks.hpp"
+#include "validation_util.hpp"
 #include "ropepool/error.hpp"
 #include "ropepool/rope_pool.hpp"
 #include "ropepool/schedule.hpp"
 
 namespace ropepool {
 namespace {
+
+using detail::same_shape;
+using detail::same_view;
+using detail::strides_str;
 
 const char* arg_name(Arg a) {
   switch (a) {
@@ -222,46 +227,8 @@ struct Checker {
       fail("rope_pool_fused: num_tokens = " + std::to_string(t.q.shape[0]) +
                " exceeds the limit of " + std::to_string(b.max_tokens) + on(),
            "split the call");
-    angles(schedule, b);
-  }
-
-  // SPEC §1: every accepted angle |positions[t] * inv_freq[i]| is one the reduction handles.
-  void angles(const RopeSchedule& schedule, const detail::BackendLimits& b) const {
-    double max_f = 0;
-    size_t arg_f = 0;
-    for (size_t i = 0; i < schedule.inv_freq.size(); ++i)
-      if (std::fabs(schedule.inv_freq[i]) > max_f) max_f = std::fabs(schedule.inv_freq[i]), arg_f = i;
-    const int64_t T = t.q.shape[0];
-    if (max_f == 0 || T == 0) return;
-    // The message parts are built only when a call fails: this runs on every call.
-    const char* limit = "the limit of 2^32 = 4294967296 rad that the angle reduction handles";
-    auto freq = [&] { return "inv_freq[" + std::to_string(arg_f) + "] = " + num(max_f); };
-    const char* hint = "check rope_base, rope_scaling or inv_freq (inverse frequencies are "
-                       "radians per position, at most 1 for the standard schedules)";
-    if (b.assumed_max_position > 0) {
-      // Positions in device memory: the bound their range allows (no synchronisation).
-      if (b.assumed_max_position * max_f > b.max_angle)
-        fail("rope_pool_fused: positions up to 2^31 in magnitude times " + freq() +
-                 " give angles up to " + num(b.assumed_max_position * max_f) + " rad, beyond " +
-                 limit + " on the " + b.name + " backend",
-             hint);
-      return;
-    }
-    // int32 positions cannot exceed 2^31: the default schedules (max inv_freq 1) never scan.
-    if (t.positions.dtype == DType::Int32 && 2147483648.0 * max_f <= b.max_angle) return;
-    if (!o.data_readable) return;  // shapes-only validation: the run scans
-    const int rows = t.positions.ndim == 2 ? 3 : 1;  // mRoPE: [3, T] (SPEC §7)
-    for (int r = 0; r < rows; ++r) {
-      const detail::Index pos = position_row(t.positions, r);
-      for (int64_t i = 0; i < T; ++i) {
-        const double theta = std::fabs(double(pos[i])) * max_f;
-        if (theta > b.max_angle)
-          fail("rope_pool_fused: positions[" + (rows == 3 ? std::to_string(r) + ", " : "") +
-                   std::to_string(i) + "] = " + std::to_string(pos[i]) + " times " + freq() +
-                   " is an angle of " + num(theta) + " rad, beyond " + limit,
-               hint);
-      }
-    }
+    detail::check_angles("rope_pool_fused", schedule, b, t.positions, t.q.shape[0],
+                         o.data_readable);
   }
 
   static std::string num(double x) { return detail::py_float(x); }
@@ -310,13 +277,6 @@ struct Checker {
         if (meet(out_span[o], out_span[o2]) && views_overlap(*outs[o].view, *outs[o2].view))
           reject(outs[o].name, outs[o2].name);
     }
-  }
-
-  static bool same_view(const TensorView& a, const TensorView& b) {
-    if (a.data != b.data || a.dtype != b.dtype || !same_shape(a, b)) return false;
-    for (int i = 0; i < a.ndim; ++i)
-      if (a.shape[i] > 1 && a.strides[i] != b.strides[i]) return false;
-    return true;
   }
 
   void devices() const {
@@ -368,19 +328,6 @@ struct Checker {
     return {{{Arg::q, &t.q},           {Arg::k, &t.k},         {Arg::v, &t.v},
             {Arg::positions, &t.positions}, {Arg::slots, &t.slots}, {Arg::k_pool, &t.k_pool},
             {Arg::v_pool, &t.v_pool}, {Arg::q_out, &t.q_out}, {Arg::k_out, &t.k_out}}};
-  }
-
-  static bool same_shape(const TensorView& a, const TensorView& b) {
-    if (a.ndim != b.ndim) return false;
-    for (int i = 0; i < a.ndim; ++i)
-      if (a.shape[i] != b.shape[i]) return false;
-    return true;
-  }
-
-  static std::string strides_str(const TensorView& v) {
-    std::string s = "(";
-    for (int i = 0; i < v.ndim; ++i) s += (i ? ", " : "") + std::to_string(v.strides[i]);
-    return s + ")";
   }
 
   // [rows, heads, D] with unit last stride: dims of extent > 1, taken by increasing stride,
@@ -467,6 +414,13 @@ Checked check(const RopePoolTensors& t, const RopePoolParams& p, const CallOptio
   problem.k_norm_dtype = p.k_norm_weight.dtype;
   problem.norm_eps = float(p.norm_eps.value_or(1e-6));
   problem.norm_gemma = p.norm_style.value_or("rms") == "gemma";
+  // SPEC §7 x §6 on CUDA: the norm kernel writes [P, Hk, D] pools in q's dtype only.
+  if (t.q.device.type == DeviceType::CUDA && (problem.q_norm_weight || problem.k_norm_weight) &&
+      (problem.page_size != 1 || problem.pool_dtype != problem.dtype ||
+       problem.q_out_dtype != problem.dtype))
+    Checker::fail("rope_pool_fused: q_norm_weight/k_norm_weight with paged (page_size > 1) or "
+                  "float8 pools or a float8 q_rot are not supported on the cuda backend yet",
+                  "run the norm separately, or use [P, num_kv_heads, head_dim] pools in q's dtype");
   if (t.q.device.type == DeviceType::CPU && o.data_readable)
     detail::check_slot_values(problem.slots, problem.num_tokens, problem.pool_size,
                               o.check_slots);

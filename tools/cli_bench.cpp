@@ -398,6 +398,10 @@ void write_json(const BenchConfig& cfg, const CopyResult& copy_before, const Cop
 
 }  // namespace
 
+double memcpy_gbps(size_t bytes, int threads, int reps) {
+  return measure_memcpy(bytes, threads, reps).gbps;
+}
+
 const char* bench_help() {
   return R"(usage: ropepool bench [options]
 
@@ -420,6 +424,8 @@ before and after the op, the faster of the two counts). Progress goes to stderr,
 to stdout at the end.
 
 options:
+  --mla              the mla_rope_pool_fused workload instead (DeepSeek-V3 shape; see
+                     `ropepool bench --mla --help`)
   --threads N        worker threads (default: ROPEPOOL_NUM_THREADS or all hardware threads)
   --dtype D          bfloat16 (default), float16 or float32
   --index-dtype D    int32 (default) or int64 positions/slots
@@ -449,6 +455,8 @@ int run_bench(Args& args) {
     if (o == "-h" || o == "--help") {
       std::fputs(bench_help(), stdout);
       return 0;
+    } else if (o == "--mla") {
+      return run_bench_mla(args);  // cli_bench_mla.cpp: its own workload and options
     } else if (o == "--threads") {
       cfg.threads = int(parse_int(o, args.value(o), 1));
     } else if (o == "--dtype") {

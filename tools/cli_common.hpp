@@ -62,6 +62,11 @@ class Args {
 };
 
 int run_bench(Args& args);
+/// `ropepool bench --mla` (cli_bench_mla.cpp), with the options after --mla.
+int run_bench_mla(Args& args);
+/// The memcpy anchor of `ropepool bench`: GB/s (read + written) of a multithreaded copy of
+/// `bytes`, the median of `reps` copies.
+double memcpy_gbps(size_t bytes, int threads, int reps);
 int run_verify(Args& args);
 const char* bench_help();
 const char* verify_help();

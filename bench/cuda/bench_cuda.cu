@@ -5,10 +5,13 @@
 // CUDA-graph replay, with and without PDL and row deduplication; medians of 60; the
 // device-to-device copy as the ceiling.
 //
-//   ropepool_bench_cuda [--sweep] [--tokens T1,T2,..] [--json FILE]
+//   ropepool_bench_cuda [--sweep] [--pools] [--tokens T1,T2,..] [--json FILE]
 //
 // --sweep  also the same workload over launch shapes (warps per CTA), to tune the heuristic
 //          in src/cuda/rope_pool_cuda.cu.
+// --pools  also the SPEC §6 caches: fp8 e4m3 pools (scale values and device pointers), fp8
+//          q_out, NHD and HND pools of page size 1, 16 and 64, beside the [P, Hk, D] bf16 pool
+//          of the same run; bytes counted at each tensor's element size.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -54,16 +57,36 @@ __global__ void fill_bf16(uint16_t* out, size_t n, uint64_t seed) {
 /// least 20, for graphs of 20 calls on 20 different sets, where graphs are timed); set i is
 /// rows [iT, (i+1)T) of one buffer per argument. Positions random below 2^17; slots T
 /// distinct rows of a 262144-row cache, consecutive windows of random permutations.
+/// The cache a workload writes (SPEC §6): layout, page size, fp8 pools and q_out.
+struct PoolSpec {
+  enum Layout { Flat, NHD, HND } layout = Flat;  ///< Flat: [P, Hk, D]
+  int64_t page_size = 1;
+  bool fp8_pool = false, fp8_q = false;
+  bool scale_ptrs = false;  ///< scales as device float32 (read by the kernel) instead of values
+  std::string name() const {
+    std::string n = layout == Flat ? "[P,Hk,D]" : layout == NHD ? "NHD" : "HND";
+    if (layout != Flat) n += " ps=" + std::to_string(page_size);
+    n += fp8_pool ? " fp8" : " bf16";
+    if (fp8_pool) n += scale_ptrs ? " (scale ptrs)" : " (scale values)";
+    if (fp8_q) n += ", q_out fp8";
+    return n;
+  }
+};
+
 struct Workload {
   int64_t T, P = 262144, Hq = 32, Hk = 8, D = 128, n_sets = 0;
   DType dtype = DType::BFloat16;
-  std::unique_ptr<DeviceBuffer> q, k, v, pos, slots, q_out, k_out, k_pool, v_pool;
+  PoolSpec pool;
+  std::unique_ptr<DeviceBuffer> q, k, v, pos, slots, q_out, k_out, k_pool, v_pool, scales;
   RopePoolParams params;
   std::vector<double> inv_freq;
+  /// Bytes one call moves, each tensor at its own element size: q, k, v read; q_out, k_out
+  /// written; one k and one v pool row written per token; int32 positions and slots read.
   double bytes() const {
-    return double(T) * D * 2 * (2 * Hq + 5 * Hk) + 2.0 * 4 * T;  // + int32 positions, slots
+    const double es = 2, pool_es = pool.fp8_pool ? 1 : 2, q_out_es = pool.fp8_q ? 1 : 2;
+    return double(T) * D * (Hq * (es + q_out_es) + Hk * (3 * es + 2 * pool_es)) + 2.0 * 4 * T;
   }
-  Workload(int64_t tokens, bool with_graphs, Rng& rng) : T(tokens) {
+  Workload(int64_t tokens, bool with_graphs, Rng& rng, const PoolSpec& spec = {}) : T(tokens), pool(spec) {
     P = std::max<int64_t>(P, T);
     params.head_dim = D, params.num_qo_heads = Hq, params.num_kv_heads = Hk, params.rope_base = 500000;
     cudaDeviceProp prop{};
@@ -79,8 +102,13 @@ struct Workload {
       return b;
     };
     q = filled(rows * Hq * D), k = filled(rows * Hk * D), v = filled(rows * Hk * D);
-    k_pool = filled(P * Hk * D), v_pool = filled(P * Hk * D);
-    q_out = std::make_unique<DeviceBuffer>(size_t(rows * Hq * D) * 2);
+    P = (P + pool.page_size - 1) / pool.page_size * pool.page_size;
+    // An fp8 pool: half as many bf16 elements of filler (any bytes will do).
+    k_pool = filled(P * Hk * D / (pool.fp8_pool ? 2 : 1)), v_pool = filled(P * Hk * D / (pool.fp8_pool ? 2 : 1));
+    q_out = std::make_unique<DeviceBuffer>(size_t(rows * Hq * D) * (pool.fp8_q ? 1 : 2));
+    const float scale_values[3] = {0.05f, 0.0375f, 0.02f};  // k, v, q: not powers of two
+    scales = std::make_unique<DeviceBuffer>(sizeof scale_values);
+    ROPEPOOL_CUDA_OK(cudaMemcpy(scales->ptr, scale_values, sizeof scale_values, cudaMemcpyHostToDevice));
     k_out = std::make_unique<DeviceBuffer>(size_t(rows * Hk * D) * 2);
     std::vector<int32_t> h_pos(static_cast<size_t>(rows)), h_slots(static_cast<size_t>(rows)),
         perm(static_cast<size_t>(P));
@@ -109,8 +137,26 @@ struct Workload {
     p.dtype = dtype, p.num_tokens = T, p.num_qo_heads = Hq, p.num_kv_heads = Hk, p.head_dim = D;
     p.rotary_dim = D, p.pool_size = P;
     p.q = {at(q, Hq, 2), Hq * D, D}, p.k = {at(k, Hk, 2), Hk * D, D}, p.v = {at(v, Hk, 2), Hk * D, D};
-    p.q_out = {at(q_out, Hq, 2), Hq * D, D}, p.k_out = {at(k_out, Hk, 2), Hk * D, D};
-    p.k_pool = {k_pool->ptr, Hk * D, 0, D}, p.v_pool = {v_pool->ptr, Hk * D, 0, D};
+    p.q_out = {at(q_out, Hq, pool.fp8_q ? 1 : 2), Hq * D, D}, p.k_out = {at(k_out, Hk, 2), Hk * D, D};
+    const int64_t ps = pool.page_size;
+    switch (pool.layout) {
+      case PoolSpec::Flat:
+        p.k_pool = {k_pool->ptr, Hk * D, 0, D}, p.v_pool = {v_pool->ptr, Hk * D, 0, D};
+        break;
+      case PoolSpec::NHD:  // [pages, ps, Hk, D]
+        p.k_pool = {k_pool->ptr, ps * Hk * D, Hk * D, D}, p.v_pool = {v_pool->ptr, ps * Hk * D, Hk * D, D};
+        break;
+      case PoolSpec::HND:  // [pages, Hk, ps, D]
+        p.k_pool = {k_pool->ptr, Hk * ps * D, D, ps * D}, p.v_pool = {v_pool->ptr, Hk * ps * D, D, ps * D};
+        break;
+    }
+    p.page_size = pool.layout == PoolSpec::Flat ? 1 : ps;
+    p.pool_dtype = pool.fp8_pool ? DType::Float8E4M3FN : dtype;
+    p.q_out_dtype = pool.fp8_q ? DType::Float8E4M3FN : dtype;
+    const float* sp = static_cast<const float*>(scales->ptr);
+    const float values[3] = {0.05f, 0.0375f, 0.02f};
+    detail::Scale* s3[3] = {&p.k_scale, &p.v_scale, &p.q_scale};
+    for (int j = 0; j < 3; ++j) *s3[j] = pool.scale_ptrs ? detail::Scale{1.0f, sp + j} : detail::Scale{values[j], nullptr};
     p.positions = {pos->bytes_at(size_t(row) * 4), 1, false};
     p.slots = {slots->bytes_at(size_t(row) * 4), 1, false};
     p.inv_freq = inv_freq.data();
@@ -325,19 +371,68 @@ void bench(bool sweep, const std::vector<int64_t>& tokens, Rng& rng) {
     first_row = false;
     std::fflush(stdout);
   }
-  g_json += "]}";
+  g_json += "]";
+  cudaStreamDestroy(s);
+}
+
+/// The SPEC §6 caches at each T beside the [P, Hk, D] bf16 pool of the same run: per call on a
+/// plain stream and (T <= 256) per call in graphs; %copy by each case's own bytes.
+void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
+  cudaStream_t s;
+  ROPEPOOL_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const double copy = copy_bandwidth(s);
+  std::vector<PoolSpec> specs;
+  specs.push_back({});
+  specs.push_back({PoolSpec::Flat, 1, true, false, false});
+  specs.push_back({PoolSpec::Flat, 1, true, false, true});
+  for (auto layout : {PoolSpec::NHD, PoolSpec::HND})
+    for (int64_t ps : {1, 16, 64}) {
+      specs.push_back({layout, ps, false, false, false});
+      specs.push_back({layout, ps, true, false, false});
+    }
+  specs.push_back({PoolSpec::NHD, 16, true, true, true});
+  specs.push_back({PoolSpec::Flat, 1, false, true, false});
+  std::printf("\nSPEC 6 caches (bf16 q/k/v, Hq 32, Hk 8, D 128, 262144-slot caches; copy %.0f GB/s):\n", copy / 1e9);
+  std::printf("%8s  %-40s %10s %9s %7s %10s %10s\n", "T", "cache", "us/call", "GB/s", "%copy", "graph us", "kernel");
+  g_json += ", \"pools\": [";
+  bool first_row = true;
+  for (int64_t T : tokens)
+    for (const PoolSpec& spec : specs) {
+      Workload w(T, T <= 256, rng, spec);
+      detail::cuda_launch::LaunchConfig def;
+      const auto plan = detail::cuda_launch::plan_launch(w.problem(0, s), def);
+      const double t = time_stream(w, def, s);
+      const double tg = T <= 256 ? time_graph(w, s) : 0;
+      const double gbps = w.bytes() / t;
+      char kernel[48];
+      std::snprintf(kernel, sizeof kernel, "%s v%d %dw",
+                    plan.path == detail::cuda_launch::Path::Tuned ? "tuned" : plan.path == detail::cuda_launch::Path::Vector ? "vector" : "scalar",
+                    plan.pool_variant, plan.config.warps_per_cta);
+      std::printf("%8lld  %-40s %10.2f %9.0f %6.1f%% %10.2f %10s\n", (long long)T, spec.name().c_str(), t * 1e6,
+                  gbps / 1e9, 100 * gbps / copy, tg * 1e6, kernel);
+      char js[400];
+      std::snprintf(js, sizeof js,
+                    "%s{\"T\": %lld, \"cache\": \"%s\", \"us\": %.3f, \"GBps\": %.1f, \"graph_us\": %.3f, "
+                    "\"bytes\": %.0f}",
+                    first_row ? "" : ", ", (long long)T, spec.name().c_str(), t * 1e6, gbps / 1e9, tg * 1e6, w.bytes());
+      g_json += js;
+      first_row = false;
+      std::fflush(stdout);
+    }
+  g_json += "]";
   cudaStreamDestroy(s);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool sweep = false;
+  bool sweep = false, pools = false;
   std::string json;
   std::vector<int64_t> tokens = {1, 16, 64, 256, 1024, 4096, 16384, 65536};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--sweep") sweep = true;
+    else if (a == "--pools") pools = true;
     else if (a == "--bench") continue;  // the default (what the old driver needed)
     else if (a == "--json" && i + 1 < argc) json = argv[++i];
     else if (a == "--tokens" && i + 1 < argc) {
@@ -345,13 +440,15 @@ int main(int argc, char** argv) {
       std::stringstream list(argv[++i]);
       for (std::string t; std::getline(list, t, ',');) tokens.push_back(std::stoll(t));
     } else {
-      std::fprintf(stderr, "usage: %s [--sweep] [--tokens T1,T2,..] [--json FILE]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--sweep] [--pools] [--tokens T1,T2,..] [--json FILE]\n", argv[0]);
       return 2;
     }
   }
   print_device();
   Rng rng(fresh_seed());
   bench(sweep, tokens, rng);
+  if (pools) bench_pools(tokens, rng);
+  g_json += "}";
   if (!json.empty()) std::ofstream(json) << (g_json.empty() ? "{}" : g_json) << "\n";
   return 0;
 }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "ropepool/error.hpp"
+#include "ropepool/mla.hpp"
 #include "ropepool/rope_pool.hpp"
 #include "ropepool/schedule.hpp"
 #include "ropepool/tensor.hpp"

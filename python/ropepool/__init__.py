@@ -11,6 +11,7 @@ repository.
 """
 
 from ropepool import _ropepool
+from ropepool._mla import mla_rope_pool_fused, validate_mla_rope_pool
 from ropepool._op import rope_pool_fused, validate_rope_pool
 from ropepool._schedule import RopeSchedule, rope_schedule
 
@@ -51,6 +52,8 @@ def cuda_check_slot_errors(device: int = -1) -> None:
 __all__ = [
     "rope_pool_fused",
     "validate_rope_pool",
+    "mla_rope_pool_fused",
+    "validate_mla_rope_pool",
     "rope_schedule",
     "RopeSchedule",
     "set_num_threads",

@@ -8,4 +8,5 @@ void init_rope_pool(nanobind::module_& m);
 void init_threads(nanobind::module_& m);
 void init_cuda(nanobind::module_& m);
 void init_jax(nanobind::module_& m);  // python/src/jax.cpp, in builds with the JAX front end
+void init_mla(nanobind::module_& m);
 }  // namespace ropepool::python

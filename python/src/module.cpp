@@ -61,6 +61,7 @@ NB_MODULE(_ropepool, m) {
   ropepool::python::init_rope_pool(m);
   ropepool::python::init_threads(m);
   ropepool::python::init_cuda(m);
+  ropepool::python::init_mla(m);
 #ifdef ROPEPOOL_WITH_JAX
   ropepool::python::init_jax(m);
 #else

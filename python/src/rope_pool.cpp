@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "arrays.hpp"
 #include "bindings.hpp"
 #include "ropepool/error.hpp"
 #include "ropepool/rope_pool.hpp"
@@ -340,6 +341,17 @@ nb::tuple rope_schedule(int64_t head_dim, double rope_base, int64_t rotary_dim,
 }
 
 }  // namespace
+
+// The shared array import (arrays.hpp), for the other ops' bindings.
+nb::ndarray<nb::ro> import_input(nb::handle obj, const char* name, nb::handle exporter) {
+  return import_array<ReadArray>(obj, name, false, exporter);
+}
+nb::ndarray<> import_output(nb::handle obj, const char* name, nb::handle exporter) {
+  return import_array<WriteArray>(obj, name, true, exporter);
+}
+TensorView view_of(const nb::ndarray<nb::ro>& a) { return to_view(a); }
+TensorView view_of(const nb::ndarray<>& a) { return to_view(a); }
+std::string shape_of(nb::handle obj, const TensorView& view) { return framework_shape(obj, view); }
 
 void init_rope_pool(nb::module_& m) {
   m.def("rope_schedule", &rope_schedule, nb::kw_only(), "head_dim"_a, "rope_base"_a,

@@ -22,7 +22,8 @@ struct LaunchConfig {
 
 /// Which kernel a problem runs on: a tuned head size, the generic 16-byte path, or the
 /// scalar fallback (misaligned base pointer or stride, or a head size the 16-byte vectors do
-/// not divide).
+/// not divide). The vector paths read q/k/v 16 bytes at a time and write each output with
+/// accesses of as many elements (8 or 4 bytes for an fp8 pool or q_out).
 enum class Path : uint8_t { Tuned, Vector, Scalar };
 
 struct LaunchPlan {
@@ -30,6 +31,9 @@ struct LaunchPlan {
   int vec_elems = 1;  ///< elements per access
   LaunchConfig config;      ///< the chosen shape
   int pool_write_mode = 0;  ///< cuda::PoolWriteMode
+  /// cuda::PoolVariant bits: 0 for pools in q's dtype with page size 1 (the seed's kernels);
+  /// paged pools, fp8 pools and an fp8 q_out run kernels of their own.
+  int pool_variant = 0;
   int64_t grid = 0;
   int threads = 0;
   size_t shared_bytes = 0;

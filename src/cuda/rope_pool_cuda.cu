@@ -22,6 +22,7 @@
 #include "limits.hpp"
 #include "fusion_kernel.cuh"
 #include "rope_pool_kernel.cuh"
+#include "slot_errors.hpp"
 #include "ropepool/cuda.hpp"
 #include "ropepool/error.hpp"
 
@@ -163,17 +164,25 @@ void check_slots_on_host(const RopePoolProblem& p, cudaStream_t stream) {
 
 // ---- launch planning ---------------------------------------------------------------------
 
-bool aligned16(const void* data) { return (reinterpret_cast<uintptr_t>(data) & 15) == 0; }
-
-/// 16-byte accesses need every base pointer and every stride that is actually stepped over
-/// (extent > 1) to be a multiple of 16 bytes.
-bool rows_aligned16(const Rows& r, int64_t rows, int64_t heads, size_t es) {
-  return aligned16(r.data) && (rows <= 1 || (r.row_stride * int64_t(es)) % 16 == 0) &&
-         (heads <= 1 || (r.head_stride * int64_t(es)) % 16 == 0);
+bool aligned(const void* data, int64_t bytes) {
+  return reinterpret_cast<uintptr_t>(data) % uint64_t(bytes) == 0;
 }
 
-bool rows_aligned16(const PoolRows& r, int64_t rows, int64_t heads, size_t es) {  // page_size 1
-  return rows_aligned16(Rows{r.data, r.page_stride, r.head_stride}, rows, heads, es);
+/// Vector accesses of `bytes` bytes need every base pointer and every stride that is actually
+/// stepped over (extent > 1) to be a multiple of `bytes` (es: the tensor's element size).
+bool rows_aligned(const Rows& r, int64_t rows, int64_t heads, size_t es, int64_t bytes) {
+  return aligned(r.data, bytes) && (rows <= 1 || (r.row_stride * int64_t(es)) % bytes == 0) &&
+         (heads <= 1 || (r.head_stride * int64_t(es)) % bytes == 0);
+}
+
+/// The same for a pool of pool_size / page_size pages: the page stride, the row stride inside
+/// a page (page_size > 1) and the head stride.
+bool pool_aligned(const PoolRows& r, int64_t pool_size, int64_t page_size, int64_t heads, size_t es,
+                  int64_t bytes) {
+  const int64_t pages = pool_size / page_size;
+  return aligned(r.data, bytes) && (pages <= 1 || (r.page_stride * int64_t(es)) % bytes == 0) &&
+         (page_size <= 1 || (r.row_stride * int64_t(es)) % bytes == 0) &&
+         (heads <= 1 || (r.head_stride * int64_t(es)) % bytes == 0);
 }
 
 bool is_tuned_head_dim(int64_t d) { return d == 64 || d == 96 || d == 128 || d == 256; }
@@ -194,15 +203,32 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   // Validation (src/rope_pool.cpp) has checked cuda_limits(): these only assert.
   assert(half <= cuda::kMaxHalfRotary);
 
+  assert(p.page_size >= 1 && p.pool_size % p.page_size == 0);
+  assert(p.dtype == DType::Float32 || p.dtype == DType::Float16 || p.dtype == DType::BFloat16);
+  assert(p.pool_dtype == p.dtype || p.pool_dtype == DType::Float8E4M3FN);
+  assert(p.q_out_dtype == p.dtype || p.q_out_dtype == DType::Float8E4M3FN);
+
   LaunchPlan plan;
+  const bool fp8_pool = p.pool_dtype == DType::Float8E4M3FN, fp8_q = p.q_out_dtype == DType::Float8E4M3FN;
+  // Paged pools, fp8 pools and fp8 q_out run their own kernels (PoolVariant); the seed's
+  // kernels (variant 0) address a pool of page size 1 as row slot * page_stride.
+  if (fp8_pool || fp8_q || p.page_size > 1) plan.pool_variant = cuda::kPoolPaged;
+  if (fp8_pool) plan.pool_variant |= cuda::kPoolFp8;
+  if (fp8_q) plan.pool_variant |= cuda::kQOutFp8;
+
   const int vec = int(16 / es);
-  // A 16-byte access must not straddle rotary_dim, nor (NeoX) the middle of the rotated part.
+  // A vector access (16 bytes of q/k/v, as many elements of each output) must not straddle
+  // rotary_dim, nor (NeoX) the middle of the rotated part.
+  const size_t pool_es = dtype_size(p.pool_dtype), q_out_es = dtype_size(p.q_out_dtype);
+  const int64_t pool_bytes = int64_t(vec * pool_es), q_out_bytes = int64_t(vec * q_out_es);
   const bool vector_ok =
-      D % vec == 0 && (p.interleaved ? R % vec : half % vec) == 0 && rows_aligned16(p.q, T, p.num_qo_heads, es) &&
-      rows_aligned16(p.q_out, T, p.num_qo_heads, es) && rows_aligned16(p.k, T, p.num_kv_heads, es) &&
-      rows_aligned16(p.k_out, T, p.num_kv_heads, es) && rows_aligned16(p.v, T, p.num_kv_heads, es) &&
-      rows_aligned16(p.k_pool, p.pool_size, p.num_kv_heads, es) &&
-      rows_aligned16(p.v_pool, p.pool_size, p.num_kv_heads, es);
+      D % vec == 0 && (p.interleaved ? R % vec : half % vec) == 0 &&
+      rows_aligned(p.q, T, p.num_qo_heads, es, 16) &&
+      rows_aligned(p.q_out, T, p.num_qo_heads, q_out_es, q_out_bytes) &&
+      rows_aligned(p.k, T, p.num_kv_heads, es, 16) && rows_aligned(p.k_out, T, p.num_kv_heads, es, 16) &&
+      rows_aligned(p.v, T, p.num_kv_heads, es, 16) &&
+      pool_aligned(p.k_pool, p.pool_size, p.page_size, p.num_kv_heads, pool_es, pool_bytes) &&
+      pool_aligned(p.v_pool, p.pool_size, p.page_size, p.num_kv_heads, pool_es, pool_bytes);
   if (vector_ok) {
     plan.path = R == D && !p.interleaved && is_tuned_head_dim(D) ? Path::Tuned : Path::Vector;
     plan.vec_elems = vec;
@@ -234,6 +260,7 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   plan.grid = T;
   plan.threads = 32 * c.warps_per_cta;
   plan.shared_bytes = size_t(2) * size_t(half) * sizeof(float);
+  if (plan.pool_variant != 0) plan.shared_bytes += 32;  // scales and pool row, before the table
   // Duplicate slots: none possible with one token; a shared-memory scan for small calls
   // (no atomics, no fences, and the last token wins as on the CPU); locks otherwise.
   plan.pool_write_mode = T == 1 || !c.dedupe_rows ? cuda::kPoolWriteDirect
@@ -265,7 +292,7 @@ KernelParams<kFreqCap> make_params(const RopePoolProblem& p, const LaunchPlan& p
   k.v_row = p.v.row_stride, k.v_head = p.v.head_stride;
   k.qo_row = p.q_out.row_stride, k.qo_head = p.q_out.head_stride;
   k.ko_row = p.k_out.row_stride, k.ko_head = p.k_out.head_stride;
-  k.kp_row = p.k_pool.page_stride, k.kp_head = p.k_pool.head_stride;  // 3-D pools: page_size 1
+  k.kp_row = p.k_pool.page_stride, k.kp_head = p.k_pool.head_stride;  // page size 1: row = page
   k.vp_row = p.v_pool.page_stride, k.vp_head = p.v_pool.head_stride;
   k.positions = p.positions.data, k.positions_stride = p.positions.stride;
   k.positions_int64 = p.positions.is_int64;
@@ -283,10 +310,34 @@ KernelParams<kFreqCap> make_params(const RopePoolProblem& p, const LaunchPlan& p
   return k;
 }
 
-template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved = false>
+/// The parameters of the paged / fp8 kernels: the seed's block (kp_row, vp_row: page strides)
+/// and PoolParams.
+template <int kFreqCap>
+KernelParams<kFreqCap, true> make_pool_params(const RopePoolProblem& p, const LaunchPlan& plan,
+                                              SlotErrorRecord* record) {
+  KernelParams<kFreqCap, true> k{};
+  static_cast<KernelParams<kFreqCap>&>(k) = make_params<kFreqCap>(p, plan, record);
+  cuda::PoolParams& x = k.pool;
+  x.kp_in_page = p.k_pool.row_stride, x.vp_in_page = p.v_pool.row_stride;
+  x.page_size = p.page_size;
+  x.page_shift = -1;
+  for (int s = 0; s < 63; ++s)
+    if (p.page_size == (int64_t(1) << s)) x.page_shift = s;
+  x.slots_fit_32_bits = p.pool_size <= int64_t(0xffffffff);
+  const Scale none{};
+  const Scale* scales[3] = {&p.k_scale, &p.v_scale, &p.q_scale};
+  if (p.pool_dtype != DType::Float8E4M3FN) scales[0] = scales[1] = &none;
+  if (p.q_out_dtype != DType::Float8E4M3FN) scales[2] = &none;
+  for (int i = 0; i < 3; ++i) x.scale_ptr[i] = scales[i]->ptr, x.scale_value[i] = scales[i]->value;
+  return k;
+}
+
+template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved = false, int kPool = 0>
 void launch(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRecord* record,
             cudaStream_t stream) {
-  const KernelParams<kFreqCap> params = make_params<kFreqCap>(p, plan, record);
+  KernelParams<kFreqCap, kPool != 0> params;
+  if constexpr (kPool != 0) params = make_pool_params<kFreqCap>(p, plan, record);
+  else params = make_params<kFreqCap>(p, plan, record);
   cudaLaunchConfig_t launch{};
   launch.gridDim = dim3(unsigned(plan.grid));
   launch.blockDim = dim3(unsigned(plan.threads));
@@ -299,12 +350,13 @@ void launch(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRecord* r
     launch.attrs = &attr;
     launch.numAttrs = 1;
   }
-  check(cudaLaunchKernelEx(&launch, cuda::rope_pool_token_kernel<E, kVec, kHeadDim, kFreqCap, kInterleaved>,
+  check(cudaLaunchKernelEx(&launch,
+                           cuda::rope_pool_token_kernel<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool>,
                            params),
         "cudaLaunchKernelEx (rope_pool_token_kernel)");
 }
 
-template <class E>
+template <class E, int kPool>
 void launch_dtype(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRecord* record,
                   cudaStream_t stream) {
   constexpr int kVec = 16 / E::kBytes;
@@ -312,22 +364,40 @@ void launch_dtype(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRec
   switch (plan.path) {
     case Path::Tuned:
       switch (p.head_dim) {
-        case 64: return launch<E, kVec, 64, 32>(p, plan, record, stream);
-        case 96: return launch<E, kVec, 96, 48>(p, plan, record, stream);
-        case 128: return launch<E, kVec, 128, 64>(p, plan, record, stream);
-        case 256: return launch<E, kVec, 256, 128>(p, plan, record, stream);
+        case 64: return launch<E, kVec, 64, 32, false, kPool>(p, plan, record, stream);
+        case 96: return launch<E, kVec, 96, 48, false, kPool>(p, plan, record, stream);
+        case 128: return launch<E, kVec, 128, 64, false, kPool>(p, plan, record, stream);
+        case 256: return launch<E, kVec, 256, 128, false, kPool>(p, plan, record, stream);
         default: break;
       }
       throw BackendError("rope_pool_fused: no tuned CUDA kernel for head_dim " +
                          std::to_string(p.head_dim) + " (tuned: 64, 96, 128, 256)");
     // GPT-J pairs are rare enough to take only the runtime-head_dim kernels.
     case Path::Vector:
-      return p.interleaved ? launch<E, kVec, 0, kCap, true>(p, plan, record, stream)
-                           : launch<E, kVec, 0, kCap>(p, plan, record, stream);
+      return p.interleaved ? launch<E, kVec, 0, kCap, true, kPool>(p, plan, record, stream)
+                           : launch<E, kVec, 0, kCap, false, kPool>(p, plan, record, stream);
     case Path::Scalar:
-      return p.interleaved ? launch<E, 1, 0, kCap, true>(p, plan, record, stream)
-                           : launch<E, 1, 0, kCap>(p, plan, record, stream);
+      return p.interleaved ? launch<E, 1, 0, kCap, true, kPool>(p, plan, record, stream)
+                           : launch<E, 1, 0, kCap, false, kPool>(p, plan, record, stream);
   }
+}
+
+/// The pool variant as a compile-time constant: the seed's kernels (0), paged pools in q's
+/// dtype, fp8 pools, and fp8 q_out with either pool.
+template <class E>
+void launch_variant(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRecord* record,
+                    cudaStream_t stream) {
+  using namespace cuda;
+  switch (plan.pool_variant) {
+    case 0: return launch_dtype<E, 0>(p, plan, record, stream);
+    case kPoolPaged: return launch_dtype<E, kPoolPaged>(p, plan, record, stream);
+    case kPoolPaged | kPoolFp8: return launch_dtype<E, kPoolPaged | kPoolFp8>(p, plan, record, stream);
+    case kPoolPaged | kQOutFp8: return launch_dtype<E, kPoolPaged | kQOutFp8>(p, plan, record, stream);
+    case kPoolPaged | kPoolFp8 | kQOutFp8:
+      return launch_dtype<E, kPoolPaged | kPoolFp8 | kQOutFp8>(p, plan, record, stream);
+    default: break;
+  }
+  throw BackendError("rope_pool_fused: no CUDA kernel for pool variant " + std::to_string(plan.pool_variant));
 }
 
 // SPEC §7 QK norm: rope_pool_fusion_kernel (fusion_kernel.cuh), a CTA per token, a warp per
@@ -391,9 +461,9 @@ void run(const RopePoolProblem& p, const LaunchConfig& overrides) {
   if (p.check_slots) check_slots_on_host(p, stream);
   SlotErrorRecord* record = error_record_for_device(device);
   switch (p.dtype) {
-    case DType::Float32: return launch_dtype<cuda::F32>(p, plan, record, stream);
-    case DType::Float16: return launch_dtype<cuda::F16>(p, plan, record, stream);
-    case DType::BFloat16: return launch_dtype<cuda::BF16>(p, plan, record, stream);
+    case DType::Float32: return launch_variant<cuda::F32>(p, plan, record, stream);
+    case DType::Float16: return launch_variant<cuda::F16>(p, plan, record, stream);
+    case DType::BFloat16: return launch_variant<cuda::BF16>(p, plan, record, stream);
     default: throw BackendError("rope_pool_fused: unsupported dtype reached the CUDA backend");
   }
 }
@@ -405,6 +475,23 @@ void rope_pool_cuda_with(const RopePoolProblem& problem, const LaunchConfig& ove
   run(problem, overrides);
 }
 }  // namespace cuda_launch
+
+namespace cuda_slot_errors {  // slot_errors.hpp: the record, for the other ops' launchers
+int device_of(const void* data) { return detail::device_of(data); }
+void report_pending(int device) { report_pending_slot_error(device); }
+cuda::SlotErrorRecord* record(int device) { return error_record_for_device(device); }
+unsigned long long* claim(int device) {
+  static std::atomic<unsigned long long*> claims[kMaxDevices] = {};
+  unsigned long long* p = claims[device].load(std::memory_order_acquire);
+  if (p == nullptr) {
+    void* address = nullptr;
+    check(cudaGetSymbolAddress(&address, cuda::g_slot_error_claim), "cudaGetSymbolAddress");
+    p = static_cast<unsigned long long*>(address);
+    claims[device].store(p, std::memory_order_release);
+  }
+  return p;
+}
+}  // namespace cuda_slot_errors
 
 BackendLimits cuda_limits() { return cuda_limits_values::value(); }
 

@@ -10,6 +10,9 @@
 //    writes the token's whole pool row) and "q chunks" of 32 * kQUnits q units.
 //  - sin/cos of (token, frequency) are computed once into shared memory and shared by every
 //    q and k head of the token.
+//  - Pools (SPEC §6): the seed's case ([P, Hk, D] or any pool with page size 1, in q's dtype)
+//    is variant 0, compiled as it always was; paged pools, fp8 pools and an fp8 q_out are the
+//    other PoolVariant bits, compiled into their own kernels.
 //
 // Launch shape (docs/CUDA.md): one CTA per token, its warps split the token's items (one
 // warp per item by default). A warp computes its first item's addresses before waiting for
@@ -20,6 +23,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "angle.cuh"  // load_index, angle_sincos
+#include "slot_errors.hpp"  // SlotErrorRecord
 #include "vec.cuh"
 
 namespace ropepool::cuda {
@@ -41,17 +46,27 @@ enum PoolWriteMode : int {
   kPoolWriteLock = 2,    ///< per-slot spin lock around the whole row write
 };
 
-/// The first out-of-range slot seen by any call on a device since the host last looked.
-/// Lives in mapped pinned host memory so the host reads it without a device sync.
-struct SlotErrorRecord {
-  unsigned long long seq_written;  ///< device: bumped after token/slot/pool_size are written
-  long long token;
-  long long slot;
-  long long pool_size;
-  unsigned long long seq_acked;  ///< host: the last seq_written it reported
+/// Kernel variants for the pools and q_out (SPEC §6): template parameter kPool of the kernel, a
+/// set of these bits. 0 is the seed's case: pools in q's dtype whose slot s is row
+/// s * kp_row (a [P, Hk, D] pool, or any pool with page size 1).
+enum PoolVariant : int {
+  kPoolPaged = 1,  ///< slot s at page s / page_size, row s % page_size (runtime page size)
+  kPoolFp8 = 2,    ///< k_pool / v_pool in float8 e4m3fn: e4m3(x / k_scale or v_scale)
+  kQOutFp8 = 4,    ///< q_out in float8 e4m3fn: e4m3(q_rot / q_scale)
 };
 
-template <int kFreqCap>
+/// Parameters of the kernels with kPool != 0 only, after the seed's block (KernelParams<.., true>).
+struct PoolParams {
+  int64_t kp_in_page, vp_in_page;  ///< stride of a row inside a page (pool elements)
+  int64_t page_size;
+  const float* scale_ptr[3];  ///< k_scale, v_scale, q_scale: one float32 of device memory read
+                              ///< when the kernel runs, or nullptr: scale_value
+  float scale_value[3];
+  int page_shift;        ///< log2(page_size) when it is a power of two, else -1
+  int slots_fit_32_bits;  ///< pool_size <= 2^32 - 1: the page division in 32 bits
+};
+
+template <int kFreqCap, bool kPoolParams = false>
 struct KernelParams {
   const void* q;
   const void* k;
@@ -101,32 +116,15 @@ __device__ __forceinline__ int64_t mrope_position(const KernelParams<kFreqCap>& 
                            : int64_t(__ldg(static_cast<const int*>(row) + t * p.positions_stride));
 }
 
+/// The paged / fp8 kernels: the seed's block unchanged (kp_row, vp_row: the page stride), then
+/// PoolParams.
+template <int kFreqCap>
+struct KernelParams<kFreqCap, true> : KernelParams<kFreqCap, false> {
+  PoolParams pool;
+};
+
 __device__ unsigned int g_slot_locks[kSlotLocks];
 __device__ unsigned long long g_slot_error_claim;
-
-__device__ __forceinline__ int64_t load_index(const void* data, int64_t stride, bool is_int64,
-                                              int64_t i) {
-  return is_int64 ? __ldg(static_cast<const long long*>(data) + i * stride)
-                  : int64_t(__ldg(static_cast<const int*>(data) + i * stride));
-}
-
-/// cos and sin of pos * inv_freq, times scale, to float32 accuracy for |pos| < 2^21.
-/// The angle is formed and reduced to [-pi, pi] in double (one DMUL, a DFMA pair: Hopper
-/// runs FP64 at half the FP32 rate and this is done once per (token, frequency)); __sincosf
-/// is only used on the reduced angle, where its absolute error is below 2^-21.
-__device__ __forceinline__ void angle_sincos(int64_t pos, double inv_freq, float scale,
-                                             float* c, float* s) {
-  constexpr double kTwoPiHi = 6.283185307179586232;     // 2*pi rounded to double
-  constexpr double kTwoPiLo = 2.449293598294706414e-16;  // 2*pi - kTwoPiHi
-  constexpr double kInvTwoPi = 0.15915494309189534561;
-  const double theta = double(pos) * inv_freq;
-  const double turns = rint(theta * kInvTwoPi);
-  const double r = fma(-turns, kTwoPiLo, fma(-turns, kTwoPiHi, theta));
-  float sr, cr;
-  __sincosf(float(r), &sr, &cr);
-  *c = cr * scale;
-  *s = sr * scale;
-}
 
 /// Records the first bad slot since the host last acknowledged one. `seq_acked` is read
 /// from host memory (slow, error path only); the device-side claim makes exactly one
@@ -190,11 +188,17 @@ __device__ __forceinline__ void unlock_row(unsigned int* lock, int lane) {
 
 /// Geometry of a head and the unit operations. Compile-time geometry on the tuned paths
 /// (kHeadDim != 0).
-template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved>
+template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool = 0>
 struct HeadOps {
   using IO = VecIO<E, kVec>;
   using Raw = typename IO::Raw;
   using Bits = typename E::Bits;
+  using Params = KernelParams<kFreqCap, kPool != 0>;
+  using Fp8 = Fp8IO<kVec>;
+  static constexpr bool kPaged = (kPool & kPoolPaged) != 0;
+  static constexpr bool kFp8Pool = (kPool & kPoolFp8) != 0;
+  static constexpr bool kFp8QOut = (kPool & kQOutFp8) != 0;
+  static_assert(kPool == 0 || kPaged, "the fp8 variants address pools by pages (page size 1 too)");
   // A rotating unit reads a second access (the pair's other half) except for interleaved
   // pairs inside one vector.
   static constexpr bool kTwoAccesses = !kInterleaved || kVec == 1;
@@ -222,7 +226,7 @@ struct HeadOps {
     if (c.j >= s.per_head) c.j -= s.per_head, ++c.head;
   }
 
-  const KernelParams<kFreqCap>& p;
+  const Params& p;
   int lane;
   int head_dim, rotary_dim, half, pairs_per_head, units_per_head, vecs_per_head;
   int q_units_per_token, k_units, v_vecs;
@@ -230,7 +234,7 @@ struct HeadOps {
   static constexpr int kSources = kKUnits + kVVecs;  ///< unit addresses a lane holds per item
   static_assert(kSources >= kQUnits, "a q chunk's addresses fit the kv round's");
 
-  __device__ explicit HeadOps(const KernelParams<kFreqCap>& params) : p(params) {
+  __device__ explicit HeadOps(const Params& params) : p(params) {
     lane = threadIdx.x & 31;
     head_dim = kHeadDim ? kHeadDim : p.head_dim;
     rotary_dim = kHeadDim ? kHeadDim : p.rotary_dim;
@@ -313,6 +317,126 @@ struct HeadOps {
     }
   }
 
+  /// GPT-J pairs (x[2m], x[2m + 1]) inside one vector: frequencies j * kVec/2 + m (the fp8
+  /// variants; rotate_unit has the same code inline).
+  __device__ __forceinline__ void rotate_in_vector(const float* cos_row, const float* sin_row, int j,
+                                                   Raw a, float (&o)[kVec]) const {
+    constexpr int kPairs = kVec / 2;
+    float f[kVec];
+    IO::to_float(a, f);
+#pragma unroll
+    for (int m = 0; m < kPairs; ++m) {
+      const float c = cos_row[j * kPairs + m], s = sin_row[j * kPairs + m];
+      o[2 * m] = f[2 * m] * c - f[2 * m + 1] * s;
+      o[2 * m + 1] = f[2 * m] * s + f[2 * m + 1] * c;
+    }
+  }
+
+  /// The fp8 variants: unit j's float32 results before rounding (fa, and fb for the second
+  /// access of a pair): rotated, or the input of a pass-through vector (exact). (a, b) become
+  /// the unit's output in q's dtype, rounded once, as rotate_unit leaves them.
+  __device__ __forceinline__ void rotate_unit_float(const float* cos_row, const float* sin_row,
+                                                    int j, Raw& a, Raw& b, float (&fa)[kVec],
+                                                    float (&fb)[kVec]) const {
+    if (j >= pairs_per_head) {
+      IO::to_float(a, fa);
+      if constexpr (std::is_same_v<E, F16>) IO::keep_nan_signs(a, fa);
+      return;
+    }
+    if constexpr (kInterleaved && kVec > 1) {
+      rotate_in_vector(cos_row, sin_row, j, a, fa);
+      a = IO::from_float(fa);
+    } else {
+      float xa[kVec], xb[kVec], c[kVec], s[kVec];
+      IO::to_float(a, xa);
+      IO::to_float(b, xb);
+      const float* ct = cos_row + j * kVec;
+      const float* st = sin_row + j * kVec;
+      if constexpr (kVec % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < kVec; i += 4) {
+          const float4 c4 = *reinterpret_cast<const float4*>(ct + i);
+          const float4 s4 = *reinterpret_cast<const float4*>(st + i);
+          c[i] = c4.x, c[i + 1] = c4.y, c[i + 2] = c4.z, c[i + 3] = c4.w;
+          s[i] = s4.x, s[i + 1] = s4.y, s[i + 2] = s4.z, s[i + 3] = s4.w;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) c[i] = ct[i], s[i] = st[i];
+      }
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        fa[i] = xa[i] * c[i] - xb[i] * s[i];
+        fb[i] = xa[i] * s[i] + xb[i] * c[i];
+      }
+      a = IO::from_float(fa);
+      b = IO::from_float(fb);
+    }
+  }
+
+  /// The fp8 pools (bfloat16 k): rotates unit j of (a, b) and stores it, rounded once to q's
+  /// dtype at `raw_head` (k_out; nullptr: none) and as e4m3(x / scale) of the float32 result
+  /// at `fp8_head` (k_pool; nullptr: none). A NeoX pair goes one half at a time, after
+  /// the other half's stores (which the table loads cannot pass), so only one half's float32
+  /// results are live at once under the 64-register cap.
+  __device__ __forceinline__ void emit_unit_fp8(const float* cos_row, const float* sin_row, int j,
+                                                Raw a, Raw b, Bits* raw_head, uint8_t* fp8_head,
+                                                float scale) const {
+    const int first = unit_first(j);
+    if (j >= pairs_per_head) {  // past rotary_dim: copied, and quantised from the input
+      if (raw_head != nullptr) IO::store(raw_head + first, a);
+      if (fp8_head != nullptr) {
+        float f[kVec];
+        IO::to_float(a, f);
+        if constexpr (std::is_same_v<E, F16>) IO::keep_nan_signs(a, f);
+        Fp8::store(fp8_head + first, Fp8::quantize(f, scale));
+      }
+      return;
+    }
+    if constexpr (kInterleaved && kVec > 1) {
+      float o[kVec];
+      rotate_in_vector(cos_row, sin_row, j, a, o);
+      if (raw_head != nullptr) IO::store(raw_head + first, IO::from_float(o));
+      if (fp8_head != nullptr) Fp8::store(fp8_head + first, Fp8::quantize(o, scale));
+    } else {
+      // Pair element i turns by frequency j * kVec + i (NeoX) or j (scalar GPT-J).
+      float xa[kVec], xb[kVec];
+      IO::to_float(a, xa);
+      IO::to_float(b, xb);
+      const float* ct = cos_row + j * kVec;
+      const float* st = sin_row + j * kVec;
+#pragma unroll
+      for (int second = 0; second < 2; ++second) {
+        float c[kVec], s[kVec], o[kVec];
+        if constexpr (kVec % 4 == 0) {
+#pragma unroll
+          for (int i = 0; i < kVec; i += 4) {
+            const float4 c4 = *reinterpret_cast<const float4*>(ct + i);
+            const float4 s4 = *reinterpret_cast<const float4*>(st + i);
+            c[i] = c4.x, c[i + 1] = c4.y, c[i + 2] = c4.z, c[i + 3] = c4.w;
+            s[i] = s4.x, s[i + 1] = s4.y, s[i + 2] = s4.z, s[i + 3] = s4.w;
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) c[i] = ct[i], s[i] = st[i];
+        }
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) o[i] = second ? xa[i] * s[i] + xb[i] * c[i] : xa[i] * c[i] - xb[i] * s[i];
+        const int at = first + (second ? partner() : 0);
+        if (raw_head != nullptr) IO::store(raw_head + at, IO::from_float(o));
+        if (fp8_head != nullptr) Fp8::store(fp8_head + at, Fp8::quantize(o, scale));
+      }
+    }
+  }
+
+  /// Stores unit j of floats (fa, fb) as e4m3(x / scale) at `head` (an e4m3 head row).
+  __device__ __forceinline__ void store_unit_fp8(uint8_t* head, int j, const float (&fa)[kVec],
+                                                 const float (&fb)[kVec], float scale) const {
+    const int first = unit_first(j);
+    Fp8::store(head + first, Fp8::quantize(fa, scale));
+    if (kTwoAccesses && j < pairs_per_head) Fp8::store(head + first + partner(), Fp8::quantize(fb, scale));
+  }
+
   /// Where an item's loads go: one pointer per unit (nullptr past the last head), and which
   /// units are pairs that read a second vector partner() elements further on.
   struct Sources {
@@ -356,14 +480,23 @@ struct HeadOps {
   }
 
   __device__ __forceinline__ void finish_q(int64_t t, int chunk, const float* cos_row,
-                                           const float* sin_row, Raw (&stage)[kStage]) const {
+                                           const float* sin_row, Raw (&stage)[kStage],
+                                           float q_scale = 1.0f) const {
     Cursor c = q_first(chunk);
 #pragma unroll
     for (int i = 0; i < kQUnits; ++i, advance(c, units)) {
       if (c.head >= p.num_qo_heads) continue;
-      rotate_unit(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1]);
-      store_unit(static_cast<Bits*>(p.q_out) + t * p.qo_row + c.head * p.qo_head, c.j,
-                 stage[2 * i], stage[2 * i + 1]);
+      if constexpr (kFp8QOut) {
+        // Both halves at once here: one half at a time spills more in the q chunks.
+        float fa[kVec], fb[kVec];
+        rotate_unit_float(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1], fa, fb);
+        store_unit_fp8(static_cast<uint8_t*>(p.q_out) + t * p.qo_row + c.head * p.qo_head, c.j, fa,
+                       fb, q_scale);
+      } else {
+        rotate_unit(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1]);
+        store_unit(static_cast<Bits*>(p.q_out) + t * p.qo_row + c.head * p.qo_head, c.j,
+                   stage[2 * i], stage[2 * i + 1]);
+      }
     }
   }
 
@@ -398,28 +531,99 @@ struct HeadOps {
       if (s.at[kKUnits + i] != nullptr) stage[2 * kKUnits + i] = IO::load(s.at[kKUnits + i]);
   }
 
+  /// Where token t's pool row starts: `slot` (variant 0: row slot * kp_row), or (paged) the
+  /// offsets of its page and row in k_pool and v_pool (pool elements), kept in shared memory
+  /// (`offsets`, written by the kv warp for itself) and read where each store needs them: two
+  /// 64-bit values held in registers across the rounds cost spills at the 64-register cap.
+  struct PoolRow {
+    int64_t slot;
+    volatile int64_t* offsets;
+  };
+  __device__ __forceinline__ PoolRow pool_row(int64_t slot, int64_t* offsets) const {
+    PoolRow r{slot, offsets};
+    if constexpr (kPaged) {
+      // slot -> (page, row), once per token: a shift for power-of-two page sizes (1 included),
+      // else a 32-bit division when every slot fits, else a 64-bit one.
+      int64_t page, row;
+      if (p.pool.page_shift >= 0) {
+        page = slot >> p.pool.page_shift;
+        row = slot & (p.pool.page_size - 1);
+      } else if (p.pool.slots_fit_32_bits) {
+        const uint32_t s = uint32_t(slot), n = uint32_t(p.pool.page_size), q = s / n;
+        page = q, row = s - q * n;
+      } else {
+        page = slot / p.pool.page_size;
+        row = slot - page * p.pool.page_size;
+      }
+      if (lane == 0) {  // used only when the row is written (slot in range)
+        offsets[0] = page * p.kp_row + row * p.pool.kp_in_page;
+        offsets[1] = page * p.vp_row + row * p.pool.vp_in_page;
+      }
+      __syncwarp();
+    }
+    return r;
+  }
+
   __device__ __forceinline__ void finish_kv(int64_t t, const float* cos_row, const float* sin_row,
-                                            int round, int64_t slot, bool to_pool,
-                                            Raw (&stage)[kStage]) const {
+                                            int round, const PoolRow& row, bool to_pool,
+                                            Raw (&stage)[kStage], float k_scale = 1.0f,
+                                            float v_scale = 1.0f) const {
     Cursor c = k_first(round);
 #pragma unroll
     for (int i = 0; i < kKUnits; ++i, advance(c, units)) {
       if (c.head >= p.num_kv_heads) continue;
-      rotate_unit(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1]);
-      store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j, stage[2 * i],
-                 stage[2 * i + 1]);
-      if (to_pool)
-        store_unit(static_cast<Bits*>(p.k_pool) + slot * p.kp_row + c.head * p.kp_head, c.j,
+      if constexpr (kFp8Pool) {
+        // k_pool from the rotated float32 values, before they are rounded to q's dtype. One
+        // half of a pair at a time spills less for bfloat16 inputs, more for the others
+        // (ptxas -v at the 64-register cap).
+        if constexpr (std::is_same_v<E, BF16>) {
+          emit_unit_fp8(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1],
+                        static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head,
+                        to_pool ? static_cast<uint8_t*>(p.k_pool) + k_row_offset(row) + c.head * p.kp_head
+                                : nullptr,
+                        k_scale);
+        } else {
+          float fa[kVec], fb[kVec];
+          rotate_unit_float(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1], fa, fb);
+          store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j,
+                     stage[2 * i], stage[2 * i + 1]);
+          if (to_pool)
+            store_unit_fp8(static_cast<uint8_t*>(p.k_pool) + k_row_offset(row) + c.head * p.kp_head, c.j,
+                           fa, fb, k_scale);
+        }
+      } else {
+        rotate_unit(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1]);
+        store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j,
                    stage[2 * i], stage[2 * i + 1]);
+        if (to_pool)
+          store_unit(static_cast<Bits*>(p.k_pool) + k_row_offset(row) + c.head * p.kp_head, c.j,
+                     stage[2 * i], stage[2 * i + 1]);
+      }
     }
     if (!to_pool) return;
     c = v_first(round);
 #pragma unroll
     for (int i = 0; i < kVVecs; ++i, advance(c, vecs)) {
       if (c.head >= p.num_kv_heads) continue;
-      IO::store(static_cast<Bits*>(p.v_pool) + slot * p.vp_row + c.head * p.vp_head + c.j * kVec,
-                stage[2 * kKUnits + i]);
+      if constexpr (kFp8Pool) {
+        float f[kVec];
+        IO::to_float(stage[2 * kKUnits + i], f);
+        if constexpr (std::is_same_v<E, F16>) IO::keep_nan_signs(stage[2 * kKUnits + i], f);
+        Fp8::store(static_cast<uint8_t*>(p.v_pool) + v_row_offset(row) + c.head * p.vp_head + c.j * kVec,
+                   Fp8::quantize(f, v_scale));
+      } else {
+        IO::store(static_cast<Bits*>(p.v_pool) + v_row_offset(row) + c.head * p.vp_head + c.j * kVec,
+                  stage[2 * kKUnits + i]);
+      }
     }
+  }
+  __device__ __forceinline__ int64_t k_row_offset(const PoolRow& r) const {
+    if constexpr (kPaged) return r.offsets[0];
+    else return r.slot * p.kp_row;
+  }
+  __device__ __forceinline__ int64_t v_row_offset(const PoolRow& r) const {
+    if constexpr (kPaged) return r.offsets[1];
+    else return r.slot * p.vp_row;
   }
 
   /// Whether token t writes its pool row at all (SPEC §1, §3): negative slots never do;
@@ -447,14 +651,20 @@ constexpr unsigned kTouchParamsMaxGrid = 128;
 /// inv_freq (and each thread its first inv_freq entry); just before the wait the values
 /// feed a branch to a no-op, which keeps the compiler from moving the loads past it. Large
 /// grids skip it: most of their CTAs find the parameters cached already (docs/CUDA.md).
-template <int kFreqCap>
+template <int kFreqCap, bool kPoolParams = false>
 struct ParamTouch {
   static constexpr int kWords = int(offsetof(KernelParams<kFreqCap>, inv_freq) / 8);
   static_assert(kWords <= 32, "one warp reads the parameters before inv_freq");
+  static constexpr int kPoolWords = int(sizeof(PoolParams) / 8);  // after inv_freq
+  static_assert(sizeof(PoolParams) % 8 == 0 && kPoolWords <= 32, "one more word per lane");
   unsigned long long word = 0;
 
-  __device__ __forceinline__ void start(const KernelParams<kFreqCap>& p, bool on) {
+  __device__ __forceinline__ void start(const KernelParams<kFreqCap, kPoolParams>& p, bool on) {
     if (on && threadIdx.x < kWords) word = reinterpret_cast<const unsigned long long*>(&p)[threadIdx.x];
+    if constexpr (kPoolParams) {
+      if (on && threadIdx.x < kPoolWords)
+        word ^= reinterpret_cast<const unsigned long long*>(&p.pool)[threadIdx.x];
+    }
   }
   __device__ __forceinline__ void finish(bool on, double f0) const {
     if (on && (word ^ static_cast<unsigned long long>(__double_as_longlong(f0))) == 1ull)
@@ -473,14 +683,19 @@ struct ParamTouch {
 // on small grids the parameters, see ParamTouch) is done before waiting for the previous
 // grid, so after the wait a warp issues its loads at once: at T = 1 the kernel is one short
 // chain of latencies (the measured timeline is in docs/NOTES.md).
-template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved>
+//
+// kPool (PoolVariant bits, 0 for the seed's pools) adds, per token: the page/row of its slot
+// (kv warp, once), and the fp8 scales, loaded right after the wait by threads 0-2 and shared
+// through the first 16 bytes of shared memory.
+template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool = 0>
 __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
-    rope_pool_token_kernel(const __grid_constant__ KernelParams<kFreqCap> p) {
-  using Ops = HeadOps<E, kVec, kHeadDim, kFreqCap, kInterleaved>;
+    rope_pool_token_kernel(const __grid_constant__ KernelParams<kFreqCap, kPool != 0> p) {
+  using Ops = HeadOps<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool>;
   using Raw = typename Ops::Raw;
+  constexpr bool kScales = Ops::kFp8Pool || Ops::kFp8QOut;
   extern __shared__ float4 shared[];  // float4: 16-byte aligned table rows
   const bool touch = gridDim.x <= kTouchParamsMaxGrid;
-  ParamTouch<kFreqCap> params_touched;
+  ParamTouch<kFreqCap, kPool != 0> params_touched;
   params_touched.start(p, touch);
   const Ops ops(p);
   const int e0 = threadIdx.x;
@@ -488,7 +703,10 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
 
   const int64_t t = blockIdx.x;
   const int half = ops.half;
-  float* cos_row = reinterpret_cast<float*>(shared);
+  // kPool != 0: k_scale, v_scale, q_scale in bytes 0-11, the kv warp's pool row offsets in
+  // bytes 16-31 (PoolRowSlot), then the table.
+  float* const scales = reinterpret_cast<float*>(shared);
+  float* cos_row = reinterpret_cast<float*>(shared) + (kPool != 0 ? 8 : 0);
   float* sin_row = cos_row + half;
   // kPoolWriteScan: every slot of the call (T <= kMaxScanTokens) as stored (int32 or int64),
   // after the table (2 * half floats: the slots start 8-byte aligned).
@@ -509,6 +727,12 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
   params_touched.finish(touch, f0);
 
   wait_for_previous_grid();
+  // The scales may have been written by the previous grid: read after the wait, now, so the
+  // load overlaps the table; stored to shared memory before the barrier.
+  float scale = 1.0f;
+  if constexpr (kScales) {
+    if (e0 < 3) scale = p.pool.scale_ptr[e0] != nullptr ? __ldg(p.pool.scale_ptr[e0]) : p.pool.scale_value[e0];
+  }
   Raw stage[kStage];
   int64_t slot = -1;
   if (item == 0) {
@@ -533,6 +757,9 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
                    touch && e == e0 ? f0 : p.inv_freq[e], p.attention_scaling, &cos_row[e],
                    &sin_row[e]);
   }
+  if constexpr (kScales) {
+    if (e0 < 3) scales[e0] = scale;
+  }
   if (scan) cp_async_wait_all();
   __syncthreads();
   allow_next_grid();
@@ -548,6 +775,8 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
                                   : static_cast<const int*>(scan_slots)[u]) == slot;
         to_pool = !__any_sync(0xffffffffu, later);
       }
+      typename Ops::PoolRow row{slot, nullptr};
+      if constexpr (kPool != 0) row = ops.pool_row(slot, reinterpret_cast<int64_t*>(shared) + 2);
       // Lock mode: taken after the loads are in flight, after the barrier (no warp holds a
       // lock across it), released after the row's last store.
       unsigned int* lock = nullptr;
@@ -558,12 +787,14 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
           lock = slot_lock(slot);
           lock_row(lock, ops.lane);  // after the loads are in flight
         }
-        ops.finish_kv(t, cos_row, sin_row, r, slot, to_pool, stage);
+        if constexpr (Ops::kFp8Pool) ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, scales[0], scales[1]);
+        else ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage);
       }
       if (lock != nullptr) unlock_row(lock, ops.lane);
     } else {
       if (!prefetched) ops.load_q(ops.q_sources(t, item - 1), stage);
-      ops.finish_q(t, item - 1, cos_row, sin_row, stage);
+      if constexpr (Ops::kFp8QOut) ops.finish_q(t, item - 1, cos_row, sin_row, stage, scales[2]);
+      else ops.finish_q(t, item - 1, cos_row, sin_row, stage);
     }
   }
 }

@@ -1,5 +1,6 @@
 // Device helpers of the CUDA backend: raw vector loads/stores (16 bytes on the fast path,
-// one element on the fallback) and their conversion to and from float32.
+// one element on the fallback), their conversion to and from float32, and the float32 ->
+// float8 e4m3fn quantisation of the fp8 pools and q_out (SPEC §6).
 //
 // Data stays in its raw form (4 registers per 16-byte vector) from the load until the
 // rotation needs it, so the loads can be issued before the sin/cos table is ready without
@@ -81,6 +82,26 @@ struct VecIO {
     }
   }
 
+  /// float16 only: gives NaNs of to_float the sign of their float16 bits (the conversion may
+  /// return one canonical NaN). OR-ing the sign bits back in is a no-op for numbers. Used where
+  /// an input element is quantised to e4m3 bit-exactly (SPEC §6: NaN stays NaN, sign kept).
+  static __device__ __forceinline__ void keep_nan_signs(Raw r, float (&f)[kVec]) {
+    static_assert(std::is_same_v<E, F16>, "float32 and bfloat16 widen exactly");
+    if constexpr (kBytes == 16) {
+      const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(__float_as_uint(f[2 * i]) | ((w[i] & 0x8000u) << 16));
+        f[2 * i + 1] = __uint_as_float(__float_as_uint(f[2 * i + 1]) | (w[i] & 0x80000000u));
+      }
+    } else if constexpr (kBytes == 4) {
+      f[0] = __uint_as_float(__float_as_uint(f[0]) | ((r & 0x8000u) << 16));
+      f[1] = __uint_as_float(__float_as_uint(f[1]) | (r & 0x80000000u));
+    } else {
+      f[0] = __uint_as_float(__float_as_uint(f[0]) | ((uint32_t(r) & 0x8000u) << 16));
+    }
+  }
+
   static __device__ __forceinline__ Raw from_float(const float (&f)[kVec]) {
     if constexpr (kBytes == 16) {
       uint32_t w[4];
@@ -137,6 +158,79 @@ struct VecIO {
   static __device__ __forceinline__ uint16_t float_to_half_bits(float x) {
     if constexpr (std::is_same_v<E, BF16>) return __bfloat16_as_ushort(__float2bfloat16_rn(x));
     else return __half_as_ushort(__float2half_rn(x));
+  }
+};
+
+// ---- float8 e4m3fn (SPEC §6) ---------------------------------------------------------------
+
+/// float -> e4m3fn by SPEC §6's rule in software (round to nearest even, magnitudes beyond 448,
+/// infinities included, to +-448, NaN to S.1111.111 with its sign): what ropepool::float_to_e4m3
+/// computes on the host. Used where the hardware conversion is missing (before sm_89); the
+/// CUDA test checks it on every float32 as well.
+__device__ __forceinline__ uint32_t e4m3_soft(float x) {
+  const uint32_t u = __float_as_uint(x), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7fu;  // NaN
+  if (a > 0x43e00000u) return sign | 0x7eu;  // beyond 448, infinity included
+  if (a < 0x3c800000u)                       // below 2^-6: steps of 2^-9 (a * 512 is exact)
+    return sign | __float2uint_rn(__uint_as_float(a) * 512.0f);  // 8 is the smallest normal
+  // Normal: keep 3 mantissa bits, round the other 20 to nearest even (a carry moves into the
+  // exponent), rebias the exponent from 127 to 7.
+  const uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);
+  return sign | ((r >> 20) - (120u << 3));
+}
+
+/// Two floats -> two e4m3fn bytes (lo in bits 0-7, hi in bits 8-15), round to nearest even,
+/// saturating (cvt...satfinite: beyond 448 and infinities to +-448). The hardware gives every
+/// NaN as 0x7f; callers OR in the sign they want (e4m3_quotient).
+__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return e4m3_soft(lo) | (e4m3_soft(hi) << 8);
+#endif
+}
+
+/// e4m3fn bytes of x[i] / scale, i < kN, packed little-endian: the quotient in float32 with
+/// IEEE round-to-nearest division (__fdiv_rn: not a reciprocal multiply, which differs on rare
+/// ties), then e4m3x2. Every result keeps the sign of the exact quotient (sign(x) ^ sign(scale)):
+/// a no-op for numbers (the conversion keeps it), and NaN keeps its sign for a positive scale, as
+/// ropepool::float_to_e4m3(x / scale) does on the host (the GPU division returns one canonical
+/// NaN).
+template <int kN>
+__device__ __forceinline__ uint32_t e4m3_quotient(const float* x, float scale) {
+  static_assert(kN == 1 || kN == 2 || kN == 4, "up to 4 bytes per word");
+  const uint32_t scale_sign = __float_as_uint(scale);
+  uint32_t bytes = 0, signs = 0;
+#pragma unroll
+  for (int i = 0; i < kN; i += 2) {
+    const float lo = __fdiv_rn(x[i], scale), hi = kN > 1 ? __fdiv_rn(x[i + 1], scale) : 0.0f;
+    bytes |= e4m3x2(lo, hi) << (8 * i);
+  }
+#pragma unroll
+  for (int i = 0; i < kN; ++i) signs |= ((__float_as_uint(x[i]) ^ scale_sign) >> 31) << (8 * i + 7);
+  return (kN == 1 ? bytes & 0xffu : bytes) | signs;
+}
+
+/// kVec e4m3fn elements moved as one access of kVec bytes (8 on the 16-bit vector paths, 4 on
+/// the float32 one, 1 on the scalar fallback).
+template <int kVec>
+struct Fp8IO {
+  using Raw = std::conditional_t<kVec == 8, uint2, std::conditional_t<kVec == 4, uint32_t, uint8_t>>;
+  static_assert(kVec == 8 || kVec == 4 || kVec == 1, "e4m3 accesses of 8, 4 or 1 bytes");
+
+  static __device__ __forceinline__ Raw quantize(const float (&f)[kVec], float scale) {
+    if constexpr (kVec == 8) return make_uint2(e4m3_quotient<4>(f, scale), e4m3_quotient<4>(f + 4, scale));
+    else if constexpr (kVec == 4) return e4m3_quotient<4>(f, scale);
+    else return uint8_t(e4m3_quotient<1>(f, scale));
+  }
+  static __device__ __forceinline__ void store(uint8_t* p, Raw r) {
+    if constexpr (kVec == 8) {
+      asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(r.x), "r"(r.y) : "memory");
+    } else {
+      *reinterpret_cast<Raw*>(p) = r;
+    }
   }
 };
 

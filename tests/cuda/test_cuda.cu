@@ -2,7 +2,11 @@
 // kernel path (tuned head sizes, generic 16-byte, scalar; NeoX and GPT-J; partial rotary;
 // strided fused-QKV views; misaligned views) and launch shape, every pool row checked bit
 // for bit, untouched rows unchanged, SPEC §3 (out-of-range slots with and without
-// check_slots, duplicates), a pool over 4 GiB, CUDA-graph capture and replay.
+// check_slots, duplicates), a pool over 4 GiB, CUDA-graph capture and replay; SPEC §6: paged
+// NHD/HND pools of page sizes 1 to 256, layers of stacked caches and the K/V halves of vLLM's
+// and FlashInfer's combined caches (every byte of the allocation outside the rows written
+// unchanged, guards included), fp8 e4m3 pools and q_out with scale values and pointers
+// (a CUDA graph sees a changed scale), and the e4m3 conversion on every float32.
 // Registered with ctest under the label `gpu` (scripts/gpu_check.sh runs `ctest -L gpu`).
 //
 //   ropepool_test_cuda [--quick] [--sanitize]
@@ -31,6 +35,7 @@
 #include "ropepool/schedule.hpp"
 #include "ropepool_kit.hpp"
 #include "ropepool_kit_cuda.hpp"
+#include "cuda/vec.cuh"
 #include "test_hooks.hpp"
 
 using namespace ropepool;
@@ -673,6 +678,865 @@ void test_fusions(Rng& rng) {
   }
 }
 
+// ---- SPEC §6: paged and strided pools, fp8 pools, fp8 q_out ------------------------------
+
+using detail::cuda_launch::Path;
+
+const char* path_name(Path p) {
+  return p == Path::Tuned ? "tuned" : p == Path::Vector ? "vector" : "scalar";
+}
+
+/// SPEC §6's e4m3 rule applied to a double (no intermediate float): the "exact" side of the
+/// one-ulp checks.
+uint8_t e4m3_of(double x) {
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  if (std::isnan(x)) return uint8_t(sign | 0x7f);
+  const double a = std::fabs(x);
+  if (a > 448.0) return uint8_t(sign | 0x7e);
+  if (a < 0.015625) return uint8_t(sign | uint8_t(std::nearbyint(a * 512.0)));
+  int e;
+  std::frexp(a, &e);
+  const int exp = e - 1;
+  int man = int(std::nearbyint(std::ldexp(a, 3 - exp)));
+  int biased = exp + 7;
+  if (man == 16) man = 8, ++biased;
+  return uint8_t(sign | (biased << 3) | (man - 8));
+}
+bool e4m3_is_nan(uint8_t b) { return (b & 0x7f) == 0x7f; }
+int e4m3_ordinal(uint8_t b) { return (b & 0x80) ? -int(b & 0x7f) : int(b & 0x7f); }
+/// Within one e4m3 step of e4m3(exact) (NaN only for NaN).
+bool e4m3_within_one(uint8_t got, double exact) {
+  const uint8_t want = e4m3_of(exact);
+  if (e4m3_is_nan(want) || e4m3_is_nan(got)) return e4m3_is_nan(want) && e4m3_is_nan(got);
+  return std::abs(e4m3_ordinal(got) - e4m3_ordinal(want)) <= 1;
+}
+std::string hex8(uint8_t b) {
+  char s[8];
+  std::snprintf(s, sizeof s, "0x%02x", b);
+  return s;
+}
+
+/// Element bits of a float dtype as float (exact; NaN keeps sign and payload).
+float bits_to_float(uint32_t b, DType dt) {
+  switch (dt) {
+    case DType::Float32: return bits_float(b);
+    case DType::Float16: return half_to_float(uint16_t(b));
+    default: return bf16_to_float(uint16_t(b));
+  }
+}
+uint32_t bits_at(const void* p, size_t es) {
+  uint32_t b = 0;
+  std::memcpy(&b, p, es);
+  return b;
+}
+
+/// Where the K and V pools of a cache live (SPEC §6), in pool elements: every kind of cache the
+/// engines use. E = D + pad is the stride between consecutive runs of D elements.
+enum class Cache { Pool3D, NHD, HND, Stack3D, StackNHD, Vllm, FlashNHD, FlashHND };
+const char* cache_name(Cache c) {
+  switch (c) {
+    case Cache::Pool3D: return "[P,Hk,D]";
+    case Cache::NHD: return "NHD [pages,ps,Hk,D]";
+    case Cache::HND: return "HND [pages,Hk,ps,D]";
+    case Cache::Stack3D: return "layer 1 of [3,P,Hk,D]";
+    case Cache::StackNHD: return "layer 1 of [3,pages,ps,Hk,D]";
+    case Cache::Vllm: return "vLLM [2,blocks,bs,Hk,D]";
+    case Cache::FlashNHD: return "FlashInfer [pages,2,ps,Hk,D]";
+    default: return "FlashInfer [pages,2,Hk,ps,D]";
+  }
+}
+struct CacheGeom {
+  int64_t page_stride = 0, row_stride = 0, head_stride = 0;
+  int64_t k_origin = 0, v_origin = 0;  ///< offsets in their allocation
+  int64_t alloc_elems = 0;              ///< elements of one allocation
+  bool one_allocation = false;          ///< K and V are halves of one cache
+};
+CacheGeom cache_geom(Cache kind, int64_t pages, int64_t ps, int64_t Hk, int64_t D, int64_t pad) {
+  const int64_t E = D + pad, one = pages * ps * Hk * E;
+  CacheGeom g;
+  auto nhd = [&] { g.head_stride = E, g.row_stride = Hk * E, g.page_stride = ps * Hk * E; };
+  auto hnd = [&] { g.row_stride = E, g.head_stride = ps * E, g.page_stride = Hk * ps * E; };
+  switch (kind) {
+    case Cache::Pool3D: nhd(), g.row_stride = 0, g.alloc_elems = one; break;
+    case Cache::NHD: nhd(), g.alloc_elems = one; break;
+    case Cache::HND: hnd(), g.alloc_elems = one; break;
+    case Cache::Stack3D: nhd(), g.row_stride = 0, g.k_origin = g.v_origin = one, g.alloc_elems = 3 * one; break;
+    case Cache::StackNHD: nhd(), g.k_origin = g.v_origin = one, g.alloc_elems = 3 * one; break;
+    case Cache::Vllm: nhd(), g.v_origin = one, g.alloc_elems = 2 * one, g.one_allocation = true; break;
+    case Cache::FlashNHD:
+      nhd(), g.page_stride = 2 * ps * Hk * E, g.v_origin = ps * Hk * E, g.alloc_elems = 2 * one;
+      g.one_allocation = true;
+      break;
+    case Cache::FlashHND:
+      hnd(), g.page_stride = 2 * Hk * ps * E, g.v_origin = Hk * ps * E, g.alloc_elems = 2 * one;
+      g.one_allocation = true;
+      break;
+  }
+  return g;
+}
+
+/// One device allocation: a guard, the elements, a guard; every byte random to start with.
+struct PoolBuffer {
+  static constexpr size_t kGuard = 256;
+  std::vector<uint8_t> before;  // guards included
+  std::unique_ptr<DeviceBuffer> dev;
+  PoolBuffer(size_t body_bytes, Rng& rng) : before(2 * kGuard + body_bytes) {
+    for (auto& b : before) b = uint8_t(rng());
+    dev = std::make_unique<DeviceBuffer>(before.size());
+    ROPEPOOL_CUDA_OK(cudaMemcpy(dev->ptr, before.data(), before.size(), cudaMemcpyHostToDevice));
+  }
+  std::vector<uint8_t> now() const {
+    std::vector<uint8_t> h(before.size());
+    ROPEPOOL_CUDA_OK(cudaMemcpy(h.data(), dev->ptr, h.size(), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+struct PoolCase {
+  DType dtype = DType::BFloat16;
+  int64_t T = 37, Hq = 4, Hk = 2, D = 128, R = 0;
+  bool interleaved = false;
+  Cache cache = Cache::NHD;
+  int64_t page_size = 16;
+  int64_t pages = 0;      ///< 0: room for 2T + 5 slots, plus a page
+  int64_t pad = 0;        ///< elements between runs of D, beyond D
+  int64_t base_off = 0;   ///< bytes the pools' origin is shifted by (alignment tests)
+  /// > 0: the pool size the kernel is told (pages beyond the allocation are never addressed:
+  /// the slots stay below pages * page_size). Beyond 2^32 it takes the 64-bit page division.
+  int64_t claimed_pool_size = 0;
+  bool fp8_pool = false, fp8_q = false;
+  float k_scale = 1, v_scale = 1, q_scale = 1;
+  bool scale_ptrs = false;  ///< scales as one float32 each in device memory
+  bool specials = false;    ///< NaN, Inf, huge, tiny and tie values in v (NaN in q and k)
+  bool index64 = false;
+  Kernel kernel = Kernel::Auto;
+  int expect_path = -1;     ///< a Path the plan must choose, or -1
+  std::vector<int64_t> slots;  ///< empty: distinct random rows, some negative
+  std::string name() const {
+    char b[400];
+    const int64_t ps = cache == Cache::Pool3D || cache == Cache::Stack3D ? 1 : page_size;
+    std::snprintf(b, sizeof b, "%s T=%lld Hq=%lld Hk=%lld D=%lld%s%s %s ps=%lld%s%s pool=%s%s%s%s%s [%s]",
+                  dtype_name(dtype), (long long)T, (long long)Hq, (long long)Hk, (long long)D,
+                  R ? (" R=" + std::to_string(R)).c_str() : "", interleaved ? " gptj" : "",
+                  cache_name(cache), (long long)ps, pad ? (" pad=" + std::to_string(pad)).c_str() : "",
+                  base_off ? (" base+" + std::to_string(base_off) + "B").c_str() : "",
+                  fp8_pool ? "fp8" : dtype_name(dtype),
+                  fp8_pool ? (" ks=" + std::to_string(k_scale) + " vs=" + std::to_string(v_scale)).c_str() : "",
+                  fp8_q ? (" q_out=fp8 qs=" + std::to_string(q_scale)).c_str() : "",
+                  (fp8_pool || fp8_q) ? (scale_ptrs ? " (scale ptrs)" : " (scale values)") : "",
+                  specials ? " +nan/inf/ties" : "", kernel_name(kernel));
+    if (claimed_pool_size) return b + std::string(" pool_size=") + std::to_string(claimed_pool_size);
+    return b;
+  }
+};
+
+/// One call on a SPEC §6 cache, with the problem filled in directly (the validation of these
+/// keywords is not the backend's), and its check.
+struct PoolRun {
+  PoolCase c;
+  int64_t ps, pages, P;
+  size_t es, pes;
+  CacheGeom g;
+  std::unique_ptr<Problem> pr;
+  std::vector<std::unique_ptr<PoolBuffer>> bufs;
+  PoolBuffer *kbuf = nullptr, *vbuf = nullptr;
+  std::unique_ptr<DeviceBuffer> q8, scale_dev;
+  RopeSchedule schedule;
+  detail::RopePoolProblem prob;
+  LaunchConfig cfg;
+
+  PoolRun(const PoolCase& cs, Rng& rng) : c(cs) {
+    ps = c.cache == Cache::Pool3D || c.cache == Cache::Stack3D ? 1 : c.page_size;
+    pages = c.pages ? c.pages : (2 * c.T + 5 + ps - 1) / ps + 1;
+    P = pages * ps;
+    es = dtype_size(c.dtype);
+    pes = c.fp8_pool ? 1 : es;
+    Case base;
+    base.dtype = c.dtype, base.T = c.T, base.Hq = c.Hq, base.Hk = c.Hk, base.D = c.D, base.R = c.R;
+    base.interleaved = c.interleaved, base.index64 = c.index64, base.pool = P;
+    pr = std::make_unique<Problem>(base, rng, c.slots.empty() ? nullptr : &c.slots);
+    if (c.specials) add_specials();
+    g = cache_geom(c.cache, pages, ps, c.Hk, c.D, c.pad);
+    const size_t body = size_t(g.alloc_elems) * pes + size_t(c.base_off);
+    for (int i = 0; i < (g.one_allocation ? 1 : 2); ++i) bufs.push_back(std::make_unique<PoolBuffer>(body, rng));
+    kbuf = bufs[0].get();
+    vbuf = bufs.back().get();
+
+    CallOptions o;
+    prob = detail::backend_problem(pr->dev, pr->params, o, schedule);
+    auto pool_rows = [&](PoolBuffer* b, int64_t origin) {
+      return detail::PoolRows{b->dev->bytes_at(PoolBuffer::kGuard + size_t(c.base_off) + size_t(origin) * pes),
+                              g.page_stride, g.row_stride, g.head_stride};
+    };
+    prob.k_pool = pool_rows(kbuf, g.k_origin);
+    prob.v_pool = pool_rows(vbuf, g.v_origin);
+    prob.page_size = ps;
+    prob.pool_size = c.claimed_pool_size ? c.claimed_pool_size : P;
+    prob.pool_dtype = c.fp8_pool ? DType::Float8E4M3FN : c.dtype;
+    if (c.fp8_q) {
+      q8 = std::make_unique<DeviceBuffer>(size_t(c.T * c.Hq * c.D));
+      ROPEPOOL_CUDA_OK(cudaMemset(q8->ptr, 0xff, q8->bytes));  // 0xff: an e4m3 NaN
+      prob.q_out = detail::Rows{q8->ptr, c.Hq * c.D, c.D};
+      prob.q_out_dtype = DType::Float8E4M3FN;
+    }
+    scale_dev = std::make_unique<DeviceBuffer>(3 * sizeof(float));
+    set_scales(c.k_scale, c.v_scale, c.q_scale);
+    if (c.kernel != Kernel::Auto) cfg.warps_per_cta = c.kernel == Kernel::OneWarp ? 1 : 2;
+  }
+
+  /// The scales the next launch uses: values, or (scale_ptrs) the device floats, with a wrong
+  /// value beside the pointer, so a kernel that reads the value fails.
+  void set_scales(float ks, float vs, float qs) {
+    c.k_scale = ks, c.v_scale = vs, c.q_scale = qs;
+    const float host[3] = {ks, vs, qs};
+    ROPEPOOL_CUDA_OK(cudaMemcpy(scale_dev->ptr, host, sizeof host, cudaMemcpyHostToDevice));
+    const float* d = static_cast<const float*>(scale_dev->ptr);
+    detail::Scale* s[3] = {&prob.k_scale, &prob.v_scale, &prob.q_scale};
+    for (int i = 0; i < 3; ++i) *s[i] = c.scale_ptrs ? detail::Scale{777.0f, d + i} : detail::Scale{host[i], nullptr};
+  }
+
+  /// NaN (both signs, quiet and signalling), infinities, values beyond 448, tiny values and
+  /// e4m3 ties in v; a NaN in some q and k heads.
+  void add_specials() {
+    const DType dt = c.dtype;
+    const uint32_t nan_a = dt == DType::Float32 ? 0xffc01234u : dt == DType::Float16 ? 0xfe01u : 0xffc1u;
+    const uint32_t nan_b = dt == DType::Float32 ? 0x7f800001u : dt == DType::Float16 ? 0x7c01u : 0x7f81u;
+    const uint32_t inf_p = dt == DType::Float32 ? 0x7f800000u : dt == DType::Float16 ? 0x7c00u : 0x7f80u;
+    const std::vector<uint32_t> values = {
+        nan_a, nan_b, inf_p, inf_p | (dt == DType::Float32 ? 0x80000000u : 0x8000u),
+        to_bits(3000.f, dt), to_bits(-3000.f, dt), to_bits(1e-4f, dt), to_bits(-2.5e-3f, dt),
+        to_bits(1.0625f, dt), to_bits(-1.1875f, dt), to_bits(0.0f, dt), to_bits(-0.0f, dt),
+        to_bits(0.0029296875f, dt), to_bits(248.0f, dt), to_bits(-464.0f, dt), to_bits(440.0f, dt)};
+    const Problem& p = *pr;
+    for (int64_t t = 0; t < c.T; ++t) {
+      for (int j = 0; j < 3; ++j) {
+        const uint32_t b = values[size_t(t * 3 + j) % values.size()];
+        std::memcpy(element(p.host.v, t, (t + j) % c.Hk, (5 * t + 11 * j) % c.D), &b, es);
+      }
+      if (t % 7 == 1) std::memcpy(element(p.host.k, t, 0, 3 % c.D), &nan_a, es);
+      if (t % 5 == 2) std::memcpy(element(p.host.q, t, 1 % c.Hq, 7 % c.D), &nan_b, es);
+    }
+    ROPEPOOL_CUDA_OK(cudaMemcpy(pr->d_qkv->ptr, pr->h_qkv.data(), pr->h_qkv.size(), cudaMemcpyHostToDevice));
+  }
+
+  Path plan_path(int* variant = nullptr, int* warps = nullptr) const {
+    const auto plan = detail::cuda_launch::plan_launch(prob, cfg);
+    if (variant) *variant = plan.pool_variant;
+    if (warps) *warps = plan.config.warps_per_cta;
+    return plan.path;
+  }
+
+  void launch() { detail::cuda_launch::rope_pool_cuda_with(prob, cfg); }
+
+  /// Every output element and every byte of the cache allocations (guards included). Returns
+  /// the number of problems, `first` the first one.
+  int64_t check(std::string& first) const {
+    int64_t bad = 0;
+    auto note = [&](const std::string& m) {
+      if (bad++ == 0) first = m;
+    };
+    const int64_t T = c.T, Hq = c.Hq, Hk = c.Hk, D = c.D;
+    const Problem& p = *pr;
+    const auto k_out = p.fetch(*p.d_k_out);
+    const TensorView k_out_view = TensorView::contiguous(const_cast<uint8_t*>(k_out.data()), c.dtype, {T, Hk, D});
+    {
+      const CheckStats s = check_rotation("k", p.host.k, k_out_view, p.host.positions, schedule, c.interleaved);
+      for (const auto& f : s.first) note(f.second);
+      bad += std::max<int64_t>(0, s.failures - int64_t(s.first.size()));
+    }
+    if (!c.fp8_q) {
+      const auto q_out = p.fetch(*p.d_q_out);
+      const TensorView q_view = TensorView::contiguous(const_cast<uint8_t*>(q_out.data()), c.dtype, {T, Hq, D});
+      const CheckStats s = check_rotation("q", p.host.q, q_view, p.host.positions, schedule, c.interleaved);
+      for (const auto& f : s.first) note(f.second);
+      bad += std::max<int64_t>(0, s.failures - int64_t(s.first.size()));
+    } else {
+      std::vector<uint8_t> q(q8->bytes);
+      ROPEPOOL_CUDA_OK(cudaMemcpy(q.data(), q8->ptr, q.size(), cudaMemcpyDeviceToHost));
+      const std::vector<double> exact = reference::rotate(p.host.q, p.host.positions, schedule, c.interleaved);
+      for (size_t i = 0; i < q.size(); ++i)
+        if (!e4m3_within_one(q[i], exact[i] / double(c.q_scale)))
+          note("q_out (fp8) element " + std::to_string(i) + " = " + hex8(q[i]) + ", exact " +
+               std::to_string(exact[i]) + " / q_scale " + std::to_string(c.q_scale) + " -> " +
+               hex8(e4m3_of(exact[i] / double(c.q_scale))));
+    }
+
+    // Pools: which tokens write each slot; a row must be one writer's complete k and v row.
+    const std::vector<double> k_exact = reference::rotate(p.host.k, p.host.positions, schedule, c.interleaved);
+    std::vector<std::vector<int64_t>> writers(static_cast<size_t>(P));
+    for (int64_t t = 0; t < T; ++t)
+      if (const int64_t s = p.slot(t); s >= 0 && s < P) writers[size_t(s)].push_back(t);
+    std::vector<std::vector<uint8_t>> now;
+    for (const auto& b : bufs) now.push_back(b->now());
+    std::vector<std::vector<uint8_t>> written;
+    for (const auto& b : bufs) written.emplace_back(b->before.size(), 0);
+    const size_t kb = 0, vb = bufs.size() - 1;
+    auto addr = [&](int64_t origin, int64_t s, int64_t h, int64_t d) {
+      return PoolBuffer::kGuard + size_t(c.base_off) +
+             size_t(origin + (s / ps) * g.page_stride + (s % ps) * g.row_stride + h * g.head_stride + d) * pes;
+    };
+    // Whether element (h, d) of the pool row at slot s holds token t's value; a reason if not.
+    auto k_ok = [&](int64_t t, int64_t s, int64_t h, int64_t d, std::string* why) {
+      const uint8_t* got = &now[kb][addr(g.k_origin, s, h, d)];
+      const uint8_t* ko = &k_out[size_t((t * Hk + h) * D + d) * es];
+      if (!c.fp8_pool) {
+        if (std::memcmp(got, ko, es) == 0) return true;
+        if (why) *why = "k_pool differs from k_out";
+        return false;
+      }
+      const double exact = k_exact[size_t((t * Hk + h) * D + d)] / double(c.k_scale);
+      bool ok = e4m3_within_one(*got, exact);
+      // float32: k_out is the very value the pool element was quantised from.
+      const uint8_t from_k_out = float_to_e4m3(bits_to_float(bits_at(ko, es), c.dtype) / c.k_scale);
+      if (c.dtype == DType::Float32 && *got != from_k_out) ok = false;
+      if (!ok && why)
+        *why = "k_pool (fp8) " + hex8(*got) + ", exact " + std::to_string(exact * c.k_scale) + " / k_scale " +
+               std::to_string(c.k_scale) + " -> " + hex8(e4m3_of(exact)) +
+               (c.dtype == DType::Float32 ? ", e4m3(k_out / k_scale) = " + hex8(from_k_out) : "");
+      return ok;
+    };
+    auto v_ok = [&](int64_t t, int64_t s, int64_t h, int64_t d, std::string* why) {
+      const uint8_t* got = &now[vb][addr(g.v_origin, s, h, d)];
+      const void* vin = element(p.host.v, t, h, d);
+      if (!c.fp8_pool) {
+        if (std::memcmp(got, vin, es) == 0) return true;
+        if (why) *why = "v_pool differs from v";
+        return false;
+      }
+      const float x = bits_to_float(bits_at(vin, es), c.dtype);
+      const uint8_t want = float_to_e4m3(x / c.v_scale);
+      if (*got == want) return true;
+      if (why) {
+        char b[200];
+        std::snprintf(b, sizeof b, "v_pool (fp8) %s, want e4m3(%.9g / %.9g) = %s (v bits 0x%x)", hex8(*got).c_str(),
+                      double(x), double(c.v_scale), hex8(want).c_str(), bits_at(vin, es));
+        *why = b;
+      }
+      return false;
+    };
+    int64_t bad_rows = 0;
+    for (int64_t s = 0; s < P; ++s) {
+      const auto& w = writers[size_t(s)];
+      if (w.empty()) continue;
+      for (int64_t h = 0; h < Hk; ++h)
+        for (int64_t d = 0; d < D; ++d)
+          for (auto [buf, origin] : {std::pair{kb, g.k_origin}, {vb, g.v_origin}})
+            for (size_t e = 0; e < pes; ++e) {
+              uint8_t& m = written[buf][addr(origin, s, h, d) + e];
+              if (m++) note("test layout error: two pool elements share a byte");
+            }
+      std::string why;
+      bool matched = false;
+      for (int64_t t : w) {
+        bool all = true;
+        for (int64_t h = 0; h < Hk && all; ++h)
+          for (int64_t d = 0; d < D && all; ++d)
+            all = k_ok(t, s, h, d, &why) && v_ok(t, s, h, d, &why);
+        if (all) {
+          matched = true;
+          break;
+        }
+      }
+      if (!matched && bad_rows++ < 3)
+        note("slot " + std::to_string(s) + " (page " + std::to_string(s / ps) + ", row " + std::to_string(s % ps) +
+             ", " + std::to_string(w.size()) + " writer(s), first token " + std::to_string(w.front()) +
+             ") is not one token's complete row: " + why);
+    }
+    if (bad_rows > 3) bad += bad_rows - 3;
+    for (size_t b = 0; b < bufs.size(); ++b) {
+      int64_t changed = 0;
+      size_t first_at = 0;
+      for (size_t i = 0; i < now[b].size(); ++i)
+        if (!written[b][i] && now[b][i] != bufs[b]->before[i] && changed++ == 0) first_at = i;
+      if (changed) {
+        const bool guard = first_at < PoolBuffer::kGuard || first_at >= now[b].size() - PoolBuffer::kGuard;
+        note(std::to_string(changed) + " byte(s) of cache allocation " + std::to_string(b) +
+             " changed outside the rows written, first at byte " + std::to_string(first_at) +
+             (guard ? " (a guard byte)" : ""));
+      }
+    }
+    return bad;
+  }
+};
+
+int g_pool_cases = 0;
+
+/// Runs one case, prints one line: ok/FAIL, the plan (path, variant, warps), the case.
+void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
+  PoolRun run(pc, rng);
+  int variant = 0, warps = 0;
+  const Path path = run.plan_path(&variant, &warps);
+  const std::string what = std::string(group) + ": " + pc.name();
+  std::string first;
+  int64_t bad = 0;
+  try {
+    run.launch();
+    ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
+    bad = run.check(first);
+  } catch (const std::exception& e) {
+    bad = 1, first = std::string("threw ") + e.what();
+  }
+  if (pc.expect_path >= 0 && int(path) != pc.expect_path) {
+    ++bad;
+    first = std::string("plan chose the ") + path_name(path) + " path, expected " + path_name(Path(pc.expect_path)) +
+            (first.empty() ? "" : "; " + first);
+  }
+  ++g_pool_cases;
+  expect(bad == 0, what + ": " + std::to_string(bad) + " bad; first: " + first);
+  std::printf("  %-4s %-6s v%d %dw  %s\n", bad == 0 ? "ok" : "FAIL", path_name(path), variant, warps, what.c_str());
+}
+
+void test_paged_layouts(Rng& rng) {
+  std::printf("paged pools (NHD, HND) in q's dtype:\n");
+  for (DType dt : {DType::BFloat16, DType::Float16, DType::Float32})
+    for (Cache cache : {Cache::NHD, Cache::HND})
+      for (int64_t ps : {1, 5, 16, 64, 256}) {
+        if (g_sanitize && (dt != DType::BFloat16 || (ps != 5 && ps != 16))) continue;
+        PoolCase c;
+        c.dtype = dt, c.cache = cache, c.page_size = ps, c.T = 37, c.index64 = ps == 5;
+        run_pool_case(c, rng, "paged");
+        if (dt == DType::BFloat16 && !g_sanitize) {
+          for (int64_t T : {int64_t(1), int64_t(300)}) {  // one token; lock mode (T > 256)
+            PoolCase d = c;
+            d.T = T, d.Hq = 8, d.Hk = 4;
+            run_pool_case(d, rng, "paged");
+          }
+          if (ps == 16 || ps == 5) {
+            PoolCase d = c;
+            d.claimed_pool_size = ps * (int64_t(1) << 31);  // 64-bit page division (ps 5)
+            run_pool_case(d, rng, "paged");
+            d = c;
+            d.kernel = Kernel::OneWarp;
+            run_pool_case(d, rng, "paged");
+            for (auto [D, R, il] : {std::tuple{80, 0, false}, {34, 0, false}, {64, 32, true}, {128, 64, false}}) {
+              d = c;
+              d.D = D, d.R = R, d.interleaved = il, d.Hq = 5, d.Hk = 3;
+              run_pool_case(d, rng, "paged");
+            }
+          }
+        }
+      }
+}
+
+void test_combined_caches(Rng& rng) {
+  std::printf("layers of stacked caches and the K/V halves of combined caches:\n");
+  for (bool fp8 : {false, true})
+    for (DType dt : {DType::BFloat16, DType::Float16, DType::Float32})
+      for (Cache cache : {Cache::Stack3D, Cache::StackNHD, Cache::Vllm, Cache::FlashNHD, Cache::FlashHND})
+        for (int64_t ps : {1, 16, 5}) {
+          if ((cache == Cache::Stack3D) != (ps == 1) && !(ps == 1 && cache == Cache::FlashNHD)) continue;
+          if (g_sanitize && (dt != DType::BFloat16 || ps == 5)) continue;
+          if (dt != DType::BFloat16 && ps == 5) continue;
+          PoolCase c;
+          c.dtype = dt, c.cache = cache, c.page_size = ps, c.T = 45, c.Hq = 6, c.Hk = 2;
+          c.fp8_pool = fp8, c.k_scale = 0.25f, c.v_scale = 0.0375f;
+          run_pool_case(c, rng, "cache");
+        }
+}
+
+void test_fp8_pools(Rng& rng) {
+  std::printf("fp8 e4m3 pools (k_scale / v_scale as values and as device pointers):\n");
+  struct S {
+    float ks, vs;
+    bool ptrs, specials;
+  };
+  for (DType dt : {DType::BFloat16, DType::Float16, DType::Float32}) {
+    for (Cache cache : {Cache::Pool3D, Cache::NHD, Cache::HND})
+      for (S s : {S{1.0f, 1.0f, false, true}, S{0.0375f, 0.3f, false, false}, S{0.004f, 0.0625f, true, true},
+                  S{3.0f, 1.0f / 3.0f, true, false}}) {
+        if (g_sanitize && (dt != DType::BFloat16 || !s.ptrs)) continue;
+        PoolCase c;
+        c.dtype = dt, c.cache = cache, c.page_size = cache == Cache::HND ? 64 : 16;
+        c.fp8_pool = true, c.k_scale = s.ks, c.v_scale = s.vs, c.scale_ptrs = s.ptrs, c.specials = s.specials;
+        run_pool_case(c, rng, "fp8");
+      }
+    if (g_sanitize) continue;
+    // Every path and launch shape, scale values that are not powers of two.
+    PoolCase base;
+    base.dtype = dt, base.cache = Cache::NHD, base.page_size = 16, base.fp8_pool = true;
+    base.k_scale = 0.0375f, base.v_scale = 0.07f, base.specials = true, base.Hq = 5, base.Hk = 3;
+    for (auto [D, R, il] : {std::tuple{80, 0, false}, {34, 0, false}, {64, 32, true}, {128, 64, false},
+                            {34, 0, true}, {256, 0, false}, {96, 0, false}}) {
+      PoolCase c = base;
+      c.D = D, c.R = R, c.interleaved = il;
+      run_pool_case(c, rng, "fp8");
+    }
+    for (Kernel k : {Kernel::OneWarp, Kernel::TwoWarps}) {
+      PoolCase c = base;
+      c.kernel = k, c.Hq = 32, c.Hk = 8;
+      run_pool_case(c, rng, "fp8");
+    }
+    for (int64_t T : {int64_t(1), int64_t(300)}) {
+      PoolCase c = base;
+      c.T = T, c.cache = Cache::HND, c.page_size = 5;
+      run_pool_case(c, rng, "fp8");
+    }
+  }
+}
+
+void test_fp8_q_out(Rng& rng) {
+  std::printf("fp8 q_out (q_scale), with pools in q's dtype and in fp8:\n");
+  for (DType dt : {DType::BFloat16, DType::Float16, DType::Float32})
+    for (bool fp8_pool : {false, true})
+      for (auto [D, R, il] : {std::tuple{128, 0, false}, {34, 0, false}, {64, 32, true}, {80, 0, false}}) {
+        if (g_sanitize && (dt != DType::BFloat16 || D != 128)) continue;
+        PoolCase c;
+        c.dtype = dt, c.D = D, c.R = R, c.interleaved = il, c.Hq = 8, c.Hk = 2;
+        c.cache = fp8_pool ? Cache::NHD : Cache::Pool3D, c.page_size = 16;
+        c.fp8_pool = fp8_pool, c.k_scale = 0.5f, c.v_scale = 0.11f;
+        c.fp8_q = true, c.q_scale = D == 34 ? 0.004f : 0.05f, c.scale_ptrs = D != 128, c.specials = il;
+        run_pool_case(c, rng, "q8");
+      }
+}
+
+void test_pool_alignment(Rng& rng) {
+  std::printf("vector-path eligibility from the pools' strides and base:\n");
+  struct A {
+    DType dt;
+    bool fp8;
+    Cache cache;
+    int64_t pad, base_off;
+    Path want;
+  };
+  // bf16: 16-byte accesses of its pools, 8-byte ones of fp8 pools; float32 fp8: 4-byte ones.
+  for (A a : {A{DType::BFloat16, false, Cache::NHD, 8, 0, Path::Tuned},   // 272-byte head stride
+              A{DType::BFloat16, false, Cache::NHD, 1, 0, Path::Scalar},  // 258
+              A{DType::BFloat16, false, Cache::HND, 4, 0, Path::Scalar},  // row stride 264
+              A{DType::BFloat16, false, Cache::NHD, 0, 2, Path::Scalar},  // base off by 2 bytes
+              A{DType::BFloat16, true, Cache::NHD, 8, 0, Path::Tuned},    // 136 = 17 x 8
+              A{DType::BFloat16, true, Cache::HND, 4, 0, Path::Scalar},   // 132
+              A{DType::BFloat16, true, Cache::NHD, 0, 8, Path::Tuned},
+              A{DType::BFloat16, true, Cache::FlashHND, 0, 4, Path::Scalar},
+              A{DType::Float32, true, Cache::NHD, 4, 4, Path::Tuned},     // 4-byte accesses
+              A{DType::Float32, true, Cache::HND, 1, 0, Path::Scalar},
+              A{DType::Float16, false, Cache::Pool3D, 0, 16, Path::Tuned},
+              A{DType::Float16, true, Cache::Vllm, 3, 0, Path::Scalar}}) {
+    if (g_sanitize && a.dt != DType::BFloat16) continue;
+    PoolCase c;
+    c.dtype = a.dt, c.fp8_pool = a.fp8, c.cache = a.cache, c.pad = a.pad, c.base_off = a.base_off;
+    c.k_scale = 0.125f, c.v_scale = 0.09f, c.expect_path = int(a.want);
+    run_pool_case(c, rng, "align");
+  }
+}
+
+/// SPEC §3 with paged pools: out-of-range slots (pool size pages * page_size) skipped and
+/// reported; duplicate slots keep whole rows (scan: the last token; locks: one of them).
+void test_paged_slots(Rng& rng) {
+  std::printf("slot errors and duplicate slots with paged pools:\n");
+  for (bool fp8 : {false, true}) {
+    PoolCase c;
+    c.T = 40, c.cache = fp8 ? Cache::HND : Cache::NHD, c.page_size = fp8 ? 5 : 16, c.pages = 3;
+    c.fp8_pool = fp8, c.k_scale = 0.5f, c.v_scale = 0.25f;
+    const int64_t P = 3 * c.page_size;
+    c.slots.resize(size_t(c.T));
+    for (int64_t t = 0; t < c.T; ++t) c.slots[size_t(t)] = t < P ? P - 1 - t : -1;
+    c.slots[7] = P;  // == pool size
+    c.slots[11] = 1000;
+    PoolRun run(c, rng);
+    run.launch();
+    ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
+    std::string first;
+    const int64_t bad = run.check(first);
+    expect(bad == 0, std::string("out-of-range slots skipped, paged ") + (fp8 ? "fp8" : "bf16") + ": " + first);
+    const std::string m = catch_message<BackendError>([] { cuda_check_slot_errors(); });
+    const std::string pool = "pool of " + std::to_string(P) + " slots";
+    const bool named = m.find("slots[7] = " + std::to_string(P) + " ") != std::string::npos ||
+                       m.find("slots[11] = 1000 ") != std::string::npos;
+    expect(named && m.find(pool) != std::string::npos, "paged pool: bad slot reported with " + pool + ": " + m);
+    std::printf("  %-4s out-of-range slots, %s pages=3 ps=%lld (%s): %s\n", bad == 0 && named ? "ok" : "FAIL",
+                cache_name(c.cache), (long long)c.page_size, fp8 ? "fp8" : "bf16", m.substr(0, 90).c_str());
+  }
+  {  // lock mode (T > 256) with a bad slot
+    PoolCase c;
+    c.T = 600, c.cache = Cache::FlashNHD, c.page_size = 16, c.fp8_pool = true, c.k_scale = 0.3f, c.v_scale = 0.2f;
+    c.pages = 80;
+    c.slots.resize(size_t(c.T));
+    for (int64_t t = 0; t < c.T; ++t) c.slots[size_t(t)] = 2 * t;
+    c.slots[555] = 80 * 16;
+    PoolRun run(c, rng);
+    run.launch();
+    ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
+    std::string first;
+    const int64_t bad = run.check(first);
+    const std::string m = catch_message<BackendError>([] { cuda_check_slot_errors(); });
+    const bool named = m.find("slots[555] = 1280 out of range for a pool of 1280 slots") != std::string::npos;
+    expect(bad == 0 && named, "lock mode, paged fp8: bad slot skipped and reported: " + first + " | " + m);
+    std::printf("  %-4s lock mode out-of-range slot, %s: %s\n", bad == 0 && named ? "ok" : "FAIL",
+                cache_name(c.cache), m.substr(0, 90).c_str());
+  }
+  for (bool fp8 : {false, true})
+    for (auto [T, kernel] : {std::pair{int64_t(200), Kernel::Auto}, {int64_t(600), Kernel::OneWarp},
+                             {int64_t(4096), Kernel::Auto}}) {
+      if (g_sanitize && T > 600) continue;
+      PoolCase c;
+      c.dtype = fp8 ? DType::Float32 : DType::BFloat16;  // float32: fp8 k rows are exact too
+      c.T = T, c.Hq = 4, c.Hk = 8, c.cache = Cache::HND, c.page_size = 3, c.pages = 4, c.kernel = kernel;
+      c.fp8_pool = fp8, c.k_scale = 0.1f, c.v_scale = 0.15f, c.index64 = fp8;
+      c.slots.resize(size_t(T));
+      for (int64_t t = 0; t < T; ++t) c.slots[size_t(t)] = (3 * t) % 11;  // 11 of 12 slots
+      for (int rep = 0; rep < (g_sanitize ? 1 : 2); ++rep) {
+        PoolRun run(c, rng);
+        run.launch();
+        ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
+        std::string first;
+        int64_t bad = run.check(first);
+        if (T <= 256) {  // scan mode: the last writer's row, checked by its v row
+          const auto now = run.vbuf->now();
+          for (int64_t s = 0; s < 11; ++s) {
+            int64_t last = -1;
+            for (int64_t t = 0; t < T; ++t)
+              if (c.slots[size_t(t)] == s) last = t;
+            bool same = true;
+            for (int64_t h = 0; h < c.Hk && same; ++h)
+              for (int64_t d = 0; d < c.D && same; ++d) {
+                const size_t at = PoolBuffer::kGuard + size_t(run.g.v_origin + (s / 3) * run.g.page_stride +
+                                                              (s % 3) * run.g.row_stride + h * run.g.head_stride + d) *
+                                                           run.pes;
+                const void* vin = element(run.pr->host.v, last, h, d);
+                const uint8_t want_fp8 = float_to_e4m3(bits_to_float(bits_at(vin, run.es), c.dtype) / c.v_scale);
+                same = fp8 ? now[at] == want_fp8 : std::memcmp(&now[at], vin, run.es) == 0;
+              }
+            if (!same) {
+              ++bad;
+              if (first.empty()) first = "slot " + std::to_string(s) + " does not hold the last token's row";
+            }
+          }
+        }
+        const std::string what = std::string("duplicate slots, paged ") + (fp8 ? "fp8" : "bf16") +
+                                 " T=" + std::to_string(T) + " " + kernel_name(kernel);
+        expect(bad == 0, what + ": " + first);
+        std::printf("  %-4s %s\n", bad == 0 ? "ok" : "FAIL", what.c_str());
+      }
+    }
+}
+
+/// A captured graph reads the scales when it runs: replay, change the device floats, replay.
+void test_graph_scales(Rng& rng) {
+  std::printf("CUDA graph: scale pointers changed between two replays:\n");
+  PoolCase c;
+  c.T = 64, c.Hq = 32, c.Hk = 8, c.cache = Cache::FlashNHD, c.page_size = 16;
+  c.fp8_pool = true, c.fp8_q = true, c.scale_ptrs = true;
+  PoolRun run(c, rng);
+  run.set_scales(0.5f, 0.25f, 0.125f);
+  cudaStream_t s;
+  ROPEPOOL_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  run.prob.stream = s;
+  run.launch();  // warm-up outside capture
+  ROPEPOOL_CUDA_OK(cudaStreamSynchronize(s));
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  ROPEPOOL_CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  const std::string m = catch_message<std::exception>([&] { run.launch(); });
+  ROPEPOOL_CUDA_OK(cudaStreamEndCapture(s, &g));
+  expect(m.empty(), "capture (fp8 pools, scale pointers): " + m);
+  ROPEPOOL_CUDA_OK(cudaGraphInstantiate(&ge, g, 0));
+  for (auto [ks, vs, qs] : {std::tuple{0.5f, 0.25f, 0.125f}, {0.0125f, 0.03f, 0.02f}}) {
+    run.set_scales(ks, vs, qs);  // the device floats the graph reads
+    ROPEPOOL_CUDA_OK(cudaMemset(run.q8->ptr, 0xff, run.q8->bytes));
+    ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());  // both done before the replay on `s`
+    ROPEPOOL_CUDA_OK(cudaGraphLaunch(ge, s));
+    ROPEPOOL_CUDA_OK(cudaStreamSynchronize(s));
+    std::string first;
+    const int64_t bad = run.check(first);
+    const std::string what = "graph replay with k_scale " + std::to_string(ks) + ", v_scale " + std::to_string(vs) +
+                             ", q_scale " + std::to_string(qs);
+    expect(bad == 0, what + ": " + first);
+    std::printf("  %-4s %s\n", bad == 0 ? "ok" : "FAIL", what.c_str());
+  }
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  cudaStreamDestroy(s);
+}
+
+// ---- the e4m3 conversion itself, on every float32 ------------------------------------------
+
+/// Thresholds of ropepool::float_to_e4m3 on magnitudes: thr[c] (c = 1..126) is the smallest
+/// float32 bit pattern (sign clear) that converts to code c; thr[127] = +Inf + 1 (NaN).
+std::vector<uint32_t> e4m3_thresholds(std::string& problem) {
+  std::vector<uint32_t> thr(128, 0);
+  for (int code = 1; code <= 126; ++code) {
+    uint32_t lo = 0, hi = 0x7f800000u;  // f(hi) = 126 >= code; find the first a with f(a) >= code
+    while (lo < hi) {
+      const uint32_t mid = lo + (hi - lo) / 2;
+      if (float_to_e4m3(bits_float(mid)) >= code) hi = mid;
+      else lo = mid + 1;
+    }
+    thr[size_t(code)] = lo;
+    if (float_to_e4m3(bits_float(lo)) != code || float_to_e4m3(bits_float(lo - 1)) != code - 1)
+      problem = "float_to_e4m3 is not a step function at code " + std::to_string(code);
+  }
+  thr[127] = 0x7f800001u;
+  return thr;
+}
+
+__device__ __forceinline__ uint32_t e4m3_expected(uint32_t u, const uint32_t* thr) {
+  const uint32_t a = u & 0x7fffffffu, sign = (u >> 24) & 0x80u;
+  if (a > 0x7f800000u) return sign | 0x7fu;
+  uint32_t lo = 0, hi = 127;  // number of thresholds thr[1..126] <= a
+  while (lo < hi) {
+    const uint32_t mid = (lo + hi + 1) / 2;
+    if (thr[mid] <= a) lo = mid;
+    else hi = mid - 1;
+  }
+  return sign | lo;
+}
+
+/// Converts every float32 (as x / 1.0f) with the kernel's helpers and counts disagreements
+/// with the thresholds of float_to_e4m3. kind: 0 e4m3_quotient<1>, 1 <2>, 2 <4>, 3 Fp8IO<8>,
+/// 4 the software e4m3_soft.
+__global__ void e4m3_every_float(const uint32_t* thr_g, int kind, uint64_t begin, uint64_t end,
+                                 unsigned long long* mismatches, unsigned* first_bad) {
+  __shared__ uint32_t thr[128];
+  for (int i = threadIdx.x; i < 128; i += blockDim.x) thr[i] = thr_g[i];
+  __syncthreads();
+  for (uint64_t base = begin + (uint64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 8; base < end;
+       base += uint64_t(gridDim.x) * blockDim.x * 8) {
+    float f[8];
+    for (int i = 0; i < 8; ++i) f[i] = __uint_as_float(uint32_t(base + i));
+    uint32_t got[8];
+    if (kind == 0) {
+      for (int i = 0; i < 8; ++i) got[i] = cuda::e4m3_quotient<1>(f + i, 1.0f);
+    } else if (kind == 1) {
+      for (int i = 0; i < 8; i += 2) {
+        const uint32_t w = cuda::e4m3_quotient<2>(f + i, 1.0f);
+        got[i] = w & 0xff, got[i + 1] = w >> 8;
+      }
+    } else if (kind == 2) {
+      for (int i = 0; i < 8; i += 4) {
+        const uint32_t w = cuda::e4m3_quotient<4>(f + i, 1.0f);
+        for (int j = 0; j < 4; ++j) got[i + j] = (w >> (8 * j)) & 0xff;
+      }
+    } else if (kind == 3) {
+      float v[8];
+      for (int i = 0; i < 8; ++i) v[i] = f[i];
+      const uint2 w = cuda::Fp8IO<8>::quantize(v, 1.0f);
+      for (int j = 0; j < 4; ++j) got[j] = (w.x >> (8 * j)) & 0xff, got[4 + j] = (w.y >> (8 * j)) & 0xff;
+    } else {
+      for (int i = 0; i < 8; ++i) got[i] = cuda::e4m3_soft(f[i]);
+    }
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t u = uint32_t(base + i);
+      if (got[i] != e4m3_expected(u, thr)) {
+        const unsigned long long n = atomicAdd(mismatches, 1ull);
+        if (n < 4) first_bad[2 * n] = u, first_bad[2 * n + 1] = got[i];
+      }
+    }
+  }
+}
+
+/// x[i] / scales[i / per_scale] with the kernel's helpers (8 at a time: Fp8IO<8>; one at a time:
+/// e4m3_quotient<1>), for the host's float_to_e4m3(x / scale).
+__global__ void e4m3_quotients(const float* x, const float* scales, int per_scale, size_t n, uint8_t* out8,
+                               uint8_t* out1) {
+  for (size_t g = blockIdx.x * size_t(blockDim.x) + threadIdx.x; g < n / 8; g += size_t(gridDim.x) * blockDim.x) {
+    const float s = scales[g * 8 / size_t(per_scale)];
+    float v[8];
+    for (int i = 0; i < 8; ++i) v[i] = x[g * 8 + i];
+    const uint2 w = cuda::Fp8IO<8>::quantize(v, s);
+    for (int j = 0; j < 4; ++j) out8[g * 8 + j] = (w.x >> (8 * j)) & 0xff, out8[g * 8 + 4 + j] = (w.y >> (8 * j)) & 0xff;
+    for (int i = 0; i < 8; ++i) out1[g * 8 + i] = uint8_t(cuda::e4m3_quotient<1>(v + i, s));
+  }
+}
+
+void test_e4m3_conversion(Rng& rng) {
+  std::printf("e4m3 conversion (SPEC §6 rule) against ropepool::float_to_e4m3:\n");
+  std::string problem;
+  const std::vector<uint32_t> thr = e4m3_thresholds(problem);
+  expect(problem.empty(), "host thresholds: " + problem);
+  // The thresholds stand for float_to_e4m3 on the host too: random patterns agree.
+  int64_t host_bad = 0;
+  for (int i = 0; i < 2000000; ++i) {
+    const uint32_t u = uint32_t(rng());
+    const uint32_t a = u & 0x7fffffffu;
+    uint32_t want = a > 0x7f800000u ? 0x7fu : uint32_t(std::upper_bound(thr.begin() + 1, thr.begin() + 127, a) - (thr.begin() + 1));
+    want |= (u >> 24) & 0x80u;
+    host_bad += float_to_e4m3(bits_float(u)) != want;
+  }
+  expect(host_bad == 0, "thresholds reproduce float_to_e4m3 on 2e6 random floats: " + std::to_string(host_bad) + " differ");
+  DeviceBuffer d_thr(thr.size() * 4), d_count(8), d_first(64);
+  ROPEPOOL_CUDA_OK(cudaMemcpy(d_thr.ptr, thr.data(), thr.size() * 4, cudaMemcpyHostToDevice));
+  const uint64_t end = g_sanitize ? (uint64_t(1) << 20) : (uint64_t(1) << 32);
+  const char* kinds[] = {"e4m3_quotient<1>", "e4m3_quotient<2>", "e4m3_quotient<4>", "Fp8IO<8>::quantize", "e4m3_soft"};
+  for (int kind = 0; kind < 5; ++kind) {
+    // Under the sanitizer: the bottom of the range and the e4m3 range (2^-10 .. 2^9), both signs.
+    std::vector<std::pair<uint64_t, uint64_t>> ranges = {{0, end}};
+    if (g_sanitize) ranges = {{0, end}, {0x3a800000u, 0x3a800000u + end}, {0xc3c00000u, 0xc3c00000u + end}};
+    ROPEPOOL_CUDA_OK(cudaMemset(d_count.ptr, 0, 8));
+    for (auto [b, e] : ranges)
+      e4m3_every_float<<<1024, 256>>>(static_cast<uint32_t*>(d_thr.ptr), kind, b, e,
+                                      static_cast<unsigned long long*>(d_count.ptr), static_cast<unsigned*>(d_first.ptr));
+    ROPEPOOL_CUDA_OK(cudaGetLastError());
+    ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
+    unsigned long long n = 0;
+    unsigned first[8] = {};
+    ROPEPOOL_CUDA_OK(cudaMemcpy(&n, d_count.ptr, 8, cudaMemcpyDeviceToHost));
+    ROPEPOOL_CUDA_OK(cudaMemcpy(first, d_first.ptr, sizeof first, cudaMemcpyDeviceToHost));
+    char b[200];
+    std::snprintf(b, sizeof b, "%s on %s float32 patterns: %llu differ from float_to_e4m3%s", kinds[kind],
+                  g_sanitize ? "3 x 2^20" : "all 2^32", n, n ? "; first: " : "");
+    std::string what = b;
+    for (unsigned long long i = 0; i < std::min(n, 4ull); ++i) {
+      std::snprintf(b, sizeof b, "0x%08x -> %s (want %s) ", first[2 * i], hex8(uint8_t(first[2 * i + 1])).c_str(),
+                    hex8(float_to_e4m3(bits_float(first[2 * i]))).c_str());
+      what += b;
+    }
+    expect(n == 0, what);
+    std::printf("  %-4s %s\n", n == 0 ? "ok" : "FAIL", what.c_str());
+  }
+  // Division: random float32 bit patterns (every class) over scales that are not powers of two.
+  const int kScales = 24, per = g_sanitize ? 4096 : 1 << 18;
+  std::vector<float> scales = {1.0f / 3.0f, 0.0375f, 3.0f, 0.004f, 7.0f, 448.0f / 1e6f, 1e-3f, 0.1f, 1.1f, 2.0f};
+  while (int(scales.size()) < kScales) scales.push_back(std::ldexp(1.0f + float(rng.unit()), int(rng.integer(-12, 12))));
+  const size_t n = size_t(kScales) * size_t(per);
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) {
+    // Mostly values near the e4m3 range, some of any exponent, NaN and Inf.
+    uint32_t u = uint32_t(rng());
+    if (i % 4 != 0) u = (u & 0x807fffffu) | (uint32_t(rng.integer(110, 136)) << 23);
+    x[i] = bits_float(u);
+  }
+  DeviceBuffer d_x(n * 4), d_s(scales.size() * 4), d_o8(n), d_o1(n);
+  ROPEPOOL_CUDA_OK(cudaMemcpy(d_x.ptr, x.data(), n * 4, cudaMemcpyHostToDevice));
+  ROPEPOOL_CUDA_OK(cudaMemcpy(d_s.ptr, scales.data(), scales.size() * 4, cudaMemcpyHostToDevice));
+  e4m3_quotients<<<1024, 256>>>(static_cast<float*>(d_x.ptr), static_cast<float*>(d_s.ptr), per, n,
+                                static_cast<uint8_t*>(d_o8.ptr), static_cast<uint8_t*>(d_o1.ptr));
+  ROPEPOOL_CUDA_OK(cudaGetLastError());
+  std::vector<uint8_t> o8(n), o1(n);
+  ROPEPOOL_CUDA_OK(cudaMemcpy(o8.data(), d_o8.ptr, n, cudaMemcpyDeviceToHost));
+  ROPEPOOL_CUDA_OK(cudaMemcpy(o1.data(), d_o1.ptr, n, cudaMemcpyDeviceToHost));
+  int64_t bad = 0;
+  std::string first;
+  for (size_t i = 0; i < n; ++i) {
+    const float s = scales[i / size_t(per)];
+    const uint8_t want = float_to_e4m3(x[i] / s);
+    if (o8[i] != want || o1[i] != want) {
+      if (bad++ == 0) {
+        char b[200];
+        std::snprintf(b, sizeof b, "e4m3(0x%08x / %.9g) = %s / %s, want %s", float_bits(x[i]), double(s),
+                      hex8(o8[i]).c_str(), hex8(o1[i]).c_str(), hex8(want).c_str());
+        first = b;
+      }
+    }
+  }
+  const std::string what = "e4m3(x / scale) on " + std::to_string(n) + " random float32 over " +
+                           std::to_string(kScales) + " scales, bit-exact to float_to_e4m3(x / scale): " +
+                           std::to_string(bad) + " differ " + first;
+  expect(bad == 0, what);
+  std::printf("  %-4s %s\n", bad == 0 ? "ok" : "FAIL", what.c_str());
+}
+
+void test_pools(Rng& rng) {
+  test_e4m3_conversion(rng);
+  test_paged_layouts(rng);
+  test_combined_caches(rng);
+  test_fp8_pools(rng);
+  test_fp8_q_out(rng);
+  test_pool_alignment(rng);
+  test_paged_slots(rng);
+  test_graph_scales(rng);
+  std::printf("pools (SPEC §6): %d cases\n", g_pool_cases);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -694,6 +1558,7 @@ int main(int argc, char** argv) {
   test_slot_errors(rng);
   test_graph(rng);
   test_fusions(rng);
+  test_pools(rng);
   if (!quick) test_large_pool(rng);
   std::printf("tests: %d checks, %d failures\n", g_checks, g_failures);
   return g_failures == 0 ? 0 : 1;

@@ -1,0 +1,176 @@
+// mla_rope_pool_fused on a GPU (label `gpu`): every buffer of a kit case (tests/kit/
+// ropepool_mla_kit.hpp) is mirrored to the device between guard bytes, the op runs there,
+// and the results come back into the host buffers for the kit's whole-contract check
+// (every element against the float64 reference, cache rows bit for bit or by the fp8 rule,
+// every other byte unchanged); the device guards are checked too. Also: both kernel paths
+// (16-byte units and the scalar fallback), repeated slots across CTAs, and a bad slot that
+// is never written and is reported by cuda_check_slot_errors.
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ropepool/cuda.hpp"
+#include "ropepool_kit_cuda.hpp"
+#include "ropepool_mla_kit.hpp"
+
+namespace ropepool::test {
+namespace {
+
+constexpr size_t kGuard = 4096;
+constexpr unsigned char kGuardByte = 0xa5;
+
+int failures = 0;
+
+void fail(const std::string& what, const std::string& problem) {
+  if (++failures <= 20) std::printf("FAIL %s: %s\n", what.c_str(), problem.c_str());
+}
+
+// Device copies of a case's buffers, and the case's tensors re-pointed at them.
+struct Mirror {
+  std::vector<std::unique_ptr<DeviceBuffer>> device;
+  const MlaCase& c;
+
+  explicit Mirror(const MlaCase& mc) : c(mc) {
+    for (const auto& b : c.buffers()) {
+      device.push_back(std::make_unique<DeviceBuffer>(b->bytes() + 2 * kGuard));
+      ROPEPOOL_CUDA_OK(cudaMemset(device.back()->ptr, kGuardByte, b->bytes() + 2 * kGuard));
+      ROPEPOOL_CUDA_OK(cudaMemcpy(device.back()->bytes_at(kGuard), b->data(), b->bytes(),
+                                  cudaMemcpyHostToDevice));
+    }
+  }
+  TensorView on_device(TensorView v) const {
+    if (v.data == nullptr) return v;
+    for (size_t i = 0; i < c.buffers().size(); ++i) {
+      const HostBuffer& b = *c.buffers()[i];
+      const auto* p = static_cast<const char*>(v.data);
+      const auto* base = static_cast<const char*>(b.data());
+      if (p >= base && p <= base + b.bytes()) {
+        v.data = device[i]->bytes_at(kGuard + size_t(p - base));
+        v.device = {DeviceType::CUDA, 0};
+        return v;
+      }
+    }
+    std::printf("view outside every buffer\n");
+    std::exit(2);
+  }
+  MlaTensors tensors() const {
+    MlaTensors t = c.tensors;
+    for (TensorView* v : {&t.q_pe, &t.k_pe, &t.kv_c, &t.positions, &t.slots, &t.kv_cache,
+                          &t.q_out, &t.k_out, &t.kv_scale})
+      *v = on_device(*v);
+    return t;
+  }
+  // Results back into the host buffers; the device guards must be untouched.
+  void copy_back(const std::string& what) const {
+    ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
+    for (size_t i = 0; i < c.buffers().size(); ++i) {
+      const HostBuffer& b = *c.buffers()[i];
+      std::vector<unsigned char> all(b.bytes() + 2 * kGuard);
+      ROPEPOOL_CUDA_OK(cudaMemcpy(all.data(), device[i]->ptr, all.size(), cudaMemcpyDeviceToHost));
+      for (size_t j = 0; j < kGuard; ++j)
+        if (all[j] != kGuardByte || all[kGuard + b.bytes() + j] != kGuardByte) {
+          fail(what, "a device guard byte of " + b.name() + " changed");
+          break;
+        }
+      std::memcpy(b.data(), all.data() + kGuard, b.bytes());
+    }
+  }
+};
+
+void run_case(Rng& rng, const MlaShape& s, const std::string& what, int dup_tokens = 0) {
+  MlaCase c(s);
+  c.randomize(rng);
+  for (int t = 0; t < dup_tokens && t < s.num_tokens; ++t) c.set_slot(t, 3);
+  c.poison_outputs(rng);
+  const MlaCase::Snapshot before = c.snapshot();
+  Mirror m(c);
+  try {
+    mla_rope_pool_fused(m.tensors(), c.params);
+    cuda_check_slot_errors(0);
+  } catch (const std::exception& e) {
+    fail(what, std::string("threw: ") + e.what());
+    return;
+  }
+  m.copy_back(what);
+  for (const std::string& p : c.check(before, 4)) fail(what, p);
+}
+
+void bad_slot(Rng& rng) {
+  MlaShape s;
+  s.num_tokens = 9;
+  s.pool_size = 32;
+  MlaCase c(s);
+  c.randomize(rng, 0);
+  c.set_slot(6, 32);
+  c.poison_outputs(rng);
+  const MlaCase::Snapshot before = c.snapshot();
+  Mirror m(c);
+  mla_rope_pool_fused(m.tensors(), c.params);  // no sync: the kernel skips the row
+  std::string message;
+  try {
+    cuda_check_slot_errors(0);
+  } catch (const BackendError& e) {
+    message = e.what();
+  }
+  if (message.find("slots[6] = 32 out of range for a pool of 32 slots") == std::string::npos)
+    fail("bad slot", "cuda_check_slot_errors said: '" + message + "'");
+  m.copy_back("bad slot");
+  for (const std::string& p : c.check(before, 4)) fail("bad slot", p);  // slot 32: no row
+  // check_slots: the CPU's message, nothing launched
+  MlaCallOptions strict;
+  strict.check_slots = true;
+  try {
+    mla_rope_pool_fused(m.tensors(), c.params, strict);
+    fail("check_slots", "nothing thrown");
+  } catch (const Error& e) {
+    if (std::string(e.what()) != "mla_rope_pool_fused: slots[6] = 32 is out of range for a kv_cache of 32 slots")
+      fail("check_slots", e.what());
+  }
+}
+
+}  // namespace
+}  // namespace ropepool::test
+
+int main() {
+  using namespace ropepool;
+  using namespace ropepool::test;
+  print_device();
+  Rng rng(fresh_seed());
+  std::printf("seed %llu (replay: ROPEPOOL_TEST_SEED)\n", (unsigned long long)rng.seed());
+  int cases = 0;
+  for (DType dtype : {DType::Float32, DType::Float16, DType::BFloat16})
+    for (bool gptj : {true, false})
+      for (int64_t page_size : {0, 16})
+        for (bool fp8 : {false, true})
+          for (int64_t nope : {128, 1})  // 1: q_pe one element off 16 bytes (scalar path)
+            for (auto [T, H] : {std::pair<int64_t, int64_t>{1, 128}, {37, 16}, {300, 16}}) {
+              MlaShape s;
+              s.dtype = dtype;
+              s.cache_dtype = fp8 ? DType::Float8E4M3FN : dtype;
+              s.interleaved = gptj;
+              s.page_size = page_size;
+              s.nope_dim = nope;
+              s.num_tokens = T;
+              s.num_heads = H;
+              s.pool_size = 512;
+              s.position_dtype = s.slot_dtype = T == 37 ? DType::Int64 : DType::Int32;
+              s.kv_scale_tensor = fp8 && page_size;
+              if (fp8 && !page_size) s.kv_scale = 0.0625;
+              s.rope_scaling = deepseek_v3_yarn();
+              const std::string what = std::string(dtype_name(dtype)) + (gptj ? " gptj" : " neox") +
+                                       (page_size ? " nhd16" : " token") + (fp8 ? " fp8" : "") +
+                                       " nope " + std::to_string(nope) + " T " +
+                                       std::to_string(T) + " H " + std::to_string(H);
+              run_case(rng, s, what, T == 300 ? 60 : 0);
+              ++cases;
+            }
+  MlaShape inplace;
+  inplace.inplace = true;
+  inplace.k_pe_3d = true;
+  run_case(rng, inplace, "in place");
+  bad_slot(rng);
+  std::printf("%d cases, %d failures\n", cases + 2, failures);
+  return failures ? 1 : 0;
+}
