@@ -416,6 +416,180 @@ HWY_INLINE void RotateRowInterleaved(const typename E::T* x, typename E::T* out,
                      [&](int64_t p, float& c, float& s) { c = cos_il[p], s = sin_il[p + 1]; });
 }
 
+// ---- float8 e4m3fn pools and q_rot (SPEC §6) ------------------------------------------------
+//
+// Stored element = e4m3(x / scale): the division in float32, then round to nearest even,
+// magnitudes beyond 448 (infinities included) saturate to +-448, NaN stays NaN. This is
+// ropepool::float_to_e4m3 in vector form, on the float32 bits: a normal result (|x| >= 2^-6)
+// rebiases the exponent (127 -> 7) and rounds 23 -> 3 mantissa bits by adding 0x7ffff plus
+// the lowest kept bit (a carry into the exponent is the correct next binade); a subnormal
+// result is |x| * 2^9 rounded to an integer (exact scaling, the conversion rounds to nearest
+// even; 8 is the code of the smallest normal, 2^-6, so rounding up into it is right too).
+using DU8 = hn::Rebind<uint8_t, DF>;  // one byte per float lane
+
+HWY_INLINE hn::Vec<DU8> ToE4M3(DF df, VF x) {
+  const hn::RebindToUnsigned<DF> du32;
+  const hn::RebindToSigned<DF> di32;
+  const auto u = hn::BitCast(du32, x);
+  const auto sign = hn::And(hn::ShiftRight<24>(u), hn::Set(du32, 0x80u));
+  const auto abs = hn::And(u, hn::Set(du32, 0x7fffffffu));
+  const auto abs_i = hn::BitCast(di32, abs);
+  auto w = hn::Sub(abs, hn::Set(du32, 0x3c000000u));  // exponent bias 127 -> 7
+  w = hn::Add(w, hn::Add(hn::Set(du32, 0x7ffffu), hn::And(hn::ShiftRight<20>(w), hn::Set(du32, 1u))));
+  auto e = hn::ShiftRight<20>(w);
+  const auto sub =
+      hn::BitCast(du32, hn::NearestInt(hn::Mul(hn::BitCast(df, abs), hn::Set(df, 512.0f))));
+  e = hn::IfThenElse(hn::RebindMask(du32, hn::Lt(abs_i, hn::Set(di32, 0x3c800000))), sub, e);
+  e = hn::IfThenElse(hn::RebindMask(du32, hn::Gt(abs_i, hn::Set(di32, 0x43e00000))),
+                     hn::Set(du32, 0x7eu), e);  // beyond 448, infinities included: +-448
+  e = hn::IfThenElse(hn::RebindMask(du32, hn::Gt(abs_i, hn::Set(di32, 0x7f800000))),
+                     hn::Set(du32, 0x7fu), e);  // NaN
+  return hn::DemoteTo(DU8(), hn::BitCast(di32, hn::Or(e, sign)));
+}
+
+// out[i] = e4m3(in[i] / scale) for a float32 row (the rotated values) or, with E, a row of
+// q's dtype (v).
+template <class E>
+HWY_INLINE void QuantizeRow(const typename E::T* in, uint8_t* out, int64_t n, float scale) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const VF vscale = hn::Set(df, scale);
+  int64_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(ToE4M3(df, hn::Div(E::load(df, in + i), vscale)), DU8(), out + i);
+  for (; i < n; ++i) out[i] = float_to_e4m3(E::scalar_load(in[i]) / scale);
+}
+
+// One head rotated into float32 (before rounding to q's dtype): f[0, R) rotated with the
+// same float32 operations as RotateRow / RotateRowInterleaved, f[R, D) the input as read.
+template <class E>
+HWY_INLINE void RotateRowToFloat(const typename E::T* x, float* HWY_RESTRICT f,
+                                 const float* HWY_RESTRICT cos_t, const float* HWY_RESTRICT sin_t,
+                                 const float* HWY_RESTRICT cos_il, const float* HWY_RESTRICT sin_il,
+                                 int64_t rotary_dim, int64_t head_dim, bool interleaved) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  if (interleaved) {
+#if HWY_TARGET != HWY_SCALAR
+    for (; i + N <= rotary_dim; i += N) {
+      const VF v = E::load(df, x + i);
+      hn::StoreU(hn::MulAdd(v, hn::LoadU(df, cos_il + i),
+                            hn::Mul(hn::Reverse2(df, v), hn::LoadU(df, sin_il + i))),
+                 df, f + i);
+    }
+#endif
+    for (; i < rotary_dim; i += 2) {
+      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + 1]);
+      const float c = cos_il[i], s = sin_il[i + 1];
+      f[i] = a * c - b * s;
+      f[i + 1] = a * s + b * c;
+    }
+  } else {
+    const int64_t half = rotary_dim / 2;
+    for (; i + N <= half; i += N) {
+      const VF a = E::load(df, x + i), b = E::load(df, x + half + i);
+      const VF c = hn::LoadU(df, cos_t + i), s = hn::LoadU(df, sin_t + i);
+      hn::StoreU(hn::MulSub(a, c, hn::Mul(b, s)), df, f + i);
+      hn::StoreU(hn::MulAdd(a, s, hn::Mul(b, c)), df, f + half + i);
+    }
+    for (; i < half; ++i) {
+      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + half]);
+      f[i] = a * cos_t[i] - b * sin_t[i];
+      f[i + half] = a * sin_t[i] + b * cos_t[i];
+    }
+  }
+  i = rotary_dim;
+  for (; i + N <= head_dim; i += N) hn::StoreU(E::load(df, x + i), df, f + i);
+  for (; i < head_dim; ++i) f[i] = E::scalar_load(x[i]);
+}
+
+// A float32 row rounded once to q's dtype.
+template <class E>
+HWY_INLINE void DemoteRowTo(const float* f, typename E::T* out, int64_t n) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  for (; i + N <= n; i += N) StoreVec<E>(df, hn::LoadU(df, f + i), out + i, false);
+  for (; i < n; ++i) out[i] = E::scalar_store(f[i]);
+}
+
+HWY_INLINE float ScaleValue(const Scale& s) { return s.ptr ? *s.ptr : s.value; }
+
+// A kv slot's address in a pool of element size `elem` (SPEC §6 paging; 3-D pools are
+// page_size 1).
+HWY_INLINE char* PoolRow(const PoolRows& r, int64_t page, int64_t row, int64_t head, size_t elem) {
+  return static_cast<char*>(r.data) +
+         (page * r.page_stride + row * r.row_stride + head * r.head_stride) * int64_t(elem);
+}
+
+// The call with an fp8 pool and/or an fp8 q_rot: each head is rotated into a float32 row,
+// which is rounded to q's dtype (q_rot, k_rot: the same bits as the plain path) and/or
+// quantised (pools, fp8 q_rot). Scale tensors are read here, when the kernel runs.
+template <class E>
+void RunBlockQuantT(const CallPlan& plan, const Block& block) {
+  using T = typename E::T;
+  const RopePoolProblem& p = *plan.problem;
+  const int64_t Hq = p.num_qo_heads, D = p.head_dim, R = p.rotary_dim;
+  const int64_t n = plan.table_size;
+  thread_local std::vector<float> table, rotated;
+  if (table.size() < size_t(6 * n)) table.resize(size_t(6 * n));
+  if (rotated.size() < size_t(D)) rotated.resize(size_t(D));
+  float* cos_t = table.data();
+  float* sin_t = cos_t + n;
+  float* cos_il = sin_t + n;
+  float* sin_il = cos_il + 2 * n;
+  float* f = rotated.data();
+  const float scale = static_cast<float>(p.attention_scaling);
+  const bool fp8_pool = p.pool_dtype == DType::Float8E4M3FN;
+  const bool fp8_q = p.q_out_dtype == DType::Float8E4M3FN;
+  const float k_scale = ScaleValue(p.k_scale), v_scale = ScaleValue(p.v_scale),
+              q_scale = ScaleValue(p.q_scale);
+  const size_t pool_elem = fp8_pool ? 1 : sizeof(T);
+  auto row = [](const Rows& r, int64_t index, int64_t head) {
+    return static_cast<T*>(r.data) + index * r.row_stride + head * r.head_stride;
+  };
+  for (int64_t t = block.token_begin; t < block.token_end; ++t) {
+    SinCosTable(plan.inv_freq_padded, n, p.positions[t], scale, cos_t, sin_t);
+    if (p.interleaved)
+      for (int64_t i = 0; i < n; ++i) {
+        cos_il[2 * i] = cos_il[2 * i + 1] = cos_t[i];
+        sin_il[2 * i] = -sin_t[i];
+        sin_il[2 * i + 1] = sin_t[i];
+      }
+    int64_t slot = p.slots[t];
+    if (plan.pool_write_superseded && plan.pool_write_superseded[t]) slot = -1;
+    const int64_t page = slot >= 0 ? slot / p.page_size : 0, page_row = slot - page * p.page_size;
+    for (int64_t h = block.head_begin; h < block.head_end; ++h) {
+      const bool is_q = h < Hq;
+      const int64_t head = is_q ? h : h - Hq;
+      RotateRowToFloat<E>(row(is_q ? p.q : p.k, t, head), f, cos_t, sin_t, cos_il, sin_il, R, D,
+                          p.interleaved);
+      if (is_q) {
+        if (fp8_q)
+          QuantizeRow<Float32>(f, static_cast<uint8_t*>(p.q_out.data) + t * p.q_out.row_stride +
+                                      head * p.q_out.head_stride,
+                               D, q_scale);
+        else
+          DemoteRowTo<E>(f, row(p.q_out, t, head), D);
+        continue;
+      }
+      T* k_out = row(p.k_out, t, head);
+      DemoteRowTo<E>(f, k_out, D);
+      if (slot < 0) continue;
+      char* k_dst = PoolRow(p.k_pool, page, page_row, head, pool_elem);
+      char* v_dst = PoolRow(p.v_pool, page, page_row, head, pool_elem);
+      const T* v = row(p.v, t, head);
+      if (fp8_pool) {
+        QuantizeRow<Float32>(f, reinterpret_cast<uint8_t*>(k_dst), D, k_scale);
+        QuantizeRow<E>(v, reinterpret_cast<uint8_t*>(v_dst), D, v_scale);
+      } else {
+        std::memcpy(k_dst, k_out, size_t(D) * sizeof(T));
+        std::memcpy(v_dst, v, size_t(D) * sizeof(T));
+      }
+    }
+  }
+}
+
 template <class E>
 void RunBlockT(const CallPlan& plan, const Block& block) {
   using T = typename E::T;
@@ -446,9 +620,11 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
   auto row = [](const Rows& r, int64_t index, int64_t head) {
     return static_cast<T*>(r.data) + index * r.row_stride + head * r.head_stride;
   };
-  auto pool_row = [](const PoolRows& r, int64_t slot, int64_t head) {  // 3-D pools: page_size 1
-    return static_cast<T*>(r.data) + slot * r.page_stride + head * r.head_stride;
+  auto pool_row = [](const PoolRows& r, int64_t page, int64_t page_row, int64_t head) {
+    return static_cast<T*>(r.data) + page * r.page_stride + page_row * r.row_stride +
+           head * r.head_stride;
   };
+  const int64_t page_size = p.page_size;
   for (int64_t t = block.token_begin; t < block.token_end; ++t) {
     SinCosTable(inv_freq, n, p.positions[t], scale, cos_t, sin_t);
     if (dup_tables) {
@@ -477,15 +653,23 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     };
     int64_t slot = p.slots[t];
     if (plan.pool_write_superseded && plan.pool_write_superseded[t]) slot = -1;
+    // SPEC §6 paging (3-D pools: page_size 1, no division)
+    int64_t page = slot, page_row = 0;
+    if (page_size != 1 && slot >= 0) {
+      page = slot / page_size;
+      page_row = slot - page * page_size;
+    }
     for (int64_t h = block.head_begin; h < block.head_end; ++h) {
       if (h < Hq) {
         rotate(row(p.q, t, h), row(p.q_out, t, h), nullptr);
         continue;
       }
       const int64_t kv = h - Hq;
-      rotate(row(p.k, t, kv), row(p.k_out, t, kv), slot >= 0 ? pool_row(p.k_pool, slot, kv) : nullptr);
+      rotate(row(p.k, t, kv), row(p.k_out, t, kv),
+             slot >= 0 ? pool_row(p.k_pool, page, page_row, kv) : nullptr);
       if (slot >= 0)
-        CopyBytes(pool_row(p.v_pool, slot, kv), row(p.v, t, kv), size_t(D) * sizeof(T), stream);
+        CopyBytes(pool_row(p.v_pool, page, page_row, kv), row(p.v, t, kv), size_t(D) * sizeof(T),
+                  stream);
     }
   }
   // Non-temporal stores are weakly ordered: fence before this thread reports completion.
@@ -493,6 +677,15 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
 }
 
 void RunBlock(const CallPlan& plan, const Block& block) {
+  if (plan.problem->pool_dtype == DType::Float8E4M3FN ||
+      plan.problem->q_out_dtype == DType::Float8E4M3FN) {
+    switch (plan.problem->dtype) {
+      case DType::Float32: return RunBlockQuantT<Float32>(plan, block);
+      case DType::Float16: return RunBlockQuantT<Float16>(plan, block);
+      case DType::BFloat16: return RunBlockQuantT<BFloat16>(plan, block);
+      default: return;
+    }
+  }
   switch (plan.problem->dtype) {
     case DType::Float32: return RunBlockT<Float32>(plan, block);
     case DType::Float16: return RunBlockT<Float16>(plan, block);
@@ -540,6 +733,11 @@ void DemoteRow(DType dtype, const float* in, void* out, int64_t n) {
   }
 }
 
+// The kernels' float32 -> e4m3 quantisation (x / scale), exposed for tests.
+void QuantizeE4M3Row(const float* in, uint8_t* out, int64_t n, float scale) {
+  QuantizeRow<Float32>(in, out, n, scale);
+}
+
 void PromoteRow(DType dtype, const void* in, float* out, int64_t n) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
@@ -570,6 +768,11 @@ HWY_EXPORT(RunBlock);
 HWY_EXPORT(SinCosTable);
 HWY_EXPORT(DemoteRow);
 HWY_EXPORT(PromoteRow);
+HWY_EXPORT(QuantizeE4M3Row);
+
+void quantize_e4m3_row_hwy(const float* in, uint8_t* out, int64_t n, float scale) {
+  HWY_DYNAMIC_DISPATCH(QuantizeE4M3Row)(in, out, n, scale);
+}
 
 void run_block_hwy(const CallPlan& plan, const Block& block) {
   HWY_DYNAMIC_DISPATCH(RunBlock)(plan, block);
