@@ -583,6 +583,14 @@ const char* kv_layout_name(KvLayout layout) {
   return "none";
 }
 
+KvLayout parse_kv_layout(const std::string& name) {
+  if (name == "NHD") return KvLayout::NHD;
+  if (name == "HND") return KvLayout::HND;
+  throw Error("rope_pool_fused: kv_layout must be None, \"NHD\" or \"HND\", got \"" + name + "\"",
+              "NHD: pools [pages, page_size, num_kv_heads, head_dim]; HND: [pages, num_kv_heads, "
+              "page_size, head_dim]");
+}
+
 void validate_rope_pool(const RopePoolTensors& tensors, const RopePoolParams& params,
                         const CallOptions& options) {
   check(tensors, params, options);

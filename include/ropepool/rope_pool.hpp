@@ -39,6 +39,8 @@ enum class KvLayout : uint8_t {
 };
 /// "none", "NHD", "HND".
 const char* kv_layout_name(KvLayout layout);
+/// "NHD" / "HND" (as FlashInfer spells them); anything else throws ropepool::Error.
+KvLayout parse_kv_layout(const std::string& name);
 
 /// A quantisation scale of SPEC §6 (fp8 pools, fp8 q_out): stored = e4m3(x / scale).
 /// Unset (the default: 1.0 where it is used), a number (rounded to float32; finite and > 0),
