@@ -20,6 +20,7 @@
 #define HWY_TARGET_INCLUDE "../src/cpu/kernel_hwy.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -447,16 +448,34 @@ HWY_INLINE hn::Vec<DU8> ToE4M3(DF df, VF x) {
   return hn::DemoteTo(DU8(), hn::BitCast(di32, hn::Or(e, sign)));
 }
 
+// The division by a scale, as SPEC §6 says (float32, IEEE). When 1/scale is exact in
+// float32 (a power-of-two scale, vLLM's default 1.0 among them), x * (1/scale) is the same
+// real number as x / scale, so it rounds to the same float: a multiply instead of a divide,
+// which costs about as much as the whole rest of the quantisation.
+struct Divisor {
+  float scale = 1.0f, reciprocal = 1.0f;
+  bool exact_reciprocal = true;
+  explicit Divisor(float s) : scale(s), reciprocal(1.0f / s) {
+    exact_reciprocal = std::isfinite(reciprocal) && reciprocal != 0.0f &&
+                       (float_bits(s) & 0x7fffffu) == 0 && (float_bits(s) & 0x7f800000u) != 0;
+  }
+};
+
 // out[i] = e4m3(in[i] / scale) for a float32 row (the rotated values) or, with E, a row of
 // q's dtype (v).
 template <class E>
-HWY_INLINE void QuantizeRow(const typename E::T* in, uint8_t* out, int64_t n, float scale) {
+HWY_INLINE void QuantizeRow(const typename E::T* in, uint8_t* out, int64_t n, const Divisor& d) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  const VF vscale = hn::Set(df, scale);
   int64_t i = 0;
-  for (; i + N <= n; i += N) hn::StoreU(ToE4M3(df, hn::Div(E::load(df, in + i), vscale)), DU8(), out + i);
-  for (; i < n; ++i) out[i] = float_to_e4m3(E::scalar_load(in[i]) / scale);
+  if (d.exact_reciprocal) {
+    const VF r = hn::Set(df, d.reciprocal);
+    for (; i + N <= n; i += N) hn::StoreU(ToE4M3(df, hn::Mul(E::load(df, in + i), r)), DU8(), out + i);
+  } else {
+    const VF s = hn::Set(df, d.scale);
+    for (; i + N <= n; i += N) hn::StoreU(ToE4M3(df, hn::Div(E::load(df, in + i), s)), DU8(), out + i);
+  }
+  for (; i < n; ++i) out[i] = float_to_e4m3(E::scalar_load(in[i]) / d.scale);
 }
 
 // One head rotated into float32 (before rounding to q's dtype): f[0, R) rotated with the
@@ -522,75 +541,60 @@ HWY_INLINE char* PoolRow(const PoolRows& r, int64_t page, int64_t row, int64_t h
          (page * r.page_stride + row * r.row_stride + head * r.head_stride) * int64_t(elem);
 }
 
-// The call with an fp8 pool and/or an fp8 q_rot: each head is rotated into a float32 row,
-// which is rounded to q's dtype (q_rot, k_rot: the same bits as the plain path) and/or
-// quantised (pools, fp8 q_rot). Scale tensors are read here, when the kernel runs.
-template <class E>
-void RunBlockQuantT(const CallPlan& plan, const Block& block) {
-  using T = typename E::T;
-  const RopePoolProblem& p = *plan.problem;
-  const int64_t Hq = p.num_qo_heads, D = p.head_dim, R = p.rotary_dim;
-  const int64_t n = plan.table_size;
-  thread_local std::vector<float> table, rotated;
-  if (table.size() < size_t(6 * n)) table.resize(size_t(6 * n));
-  if (rotated.size() < size_t(D)) rotated.resize(size_t(D));
-  float* cos_t = table.data();
-  float* sin_t = cos_t + n;
-  float* cos_il = sin_t + n;
-  float* sin_il = cos_il + 2 * n;
-  float* f = rotated.data();
-  const float scale = static_cast<float>(p.attention_scaling);
-  const bool fp8_pool = p.pool_dtype == DType::Float8E4M3FN;
-  const bool fp8_q = p.q_out_dtype == DType::Float8E4M3FN;
-  const float k_scale = ScaleValue(p.k_scale), v_scale = ScaleValue(p.v_scale),
-              q_scale = ScaleValue(p.q_scale);
-  const size_t pool_elem = fp8_pool ? 1 : sizeof(T);
-  auto row = [](const Rows& r, int64_t index, int64_t head) {
-    return static_cast<T*>(r.data) + index * r.row_stride + head * r.head_stride;
-  };
-  for (int64_t t = block.token_begin; t < block.token_end; ++t) {
-    SinCosTable(plan.inv_freq_padded, n, p.positions[t], scale, cos_t, sin_t);
-    if (p.interleaved)
-      for (int64_t i = 0; i < n; ++i) {
-        cos_il[2 * i] = cos_il[2 * i + 1] = cos_t[i];
-        sin_il[2 * i] = -sin_t[i];
-        sin_il[2 * i + 1] = sin_t[i];
-      }
-    int64_t slot = p.slots[t];
-    if (plan.pool_write_superseded && plan.pool_write_superseded[t]) slot = -1;
-    const int64_t page = slot >= 0 ? slot / p.page_size : 0, page_row = slot - page * p.page_size;
-    for (int64_t h = block.head_begin; h < block.head_end; ++h) {
-      const bool is_q = h < Hq;
-      const int64_t head = is_q ? h : h - Hq;
-      RotateRowToFloat<E>(row(is_q ? p.q : p.k, t, head), f, cos_t, sin_t, cos_il, sin_il, R, D,
-                          p.interleaved);
-      if (is_q) {
-        if (fp8_q)
-          QuantizeRow<Float32>(f, static_cast<uint8_t*>(p.q_out.data) + t * p.q_out.row_stride +
-                                      head * p.q_out.head_stride,
-                               D, q_scale);
-        else
-          DemoteRowTo<E>(f, row(p.q_out, t, head), D);
-        continue;
-      }
-      T* k_out = row(p.k_out, t, head);
-      DemoteRowTo<E>(f, k_out, D);
-      if (slot < 0) continue;
-      char* k_dst = PoolRow(p.k_pool, page, page_row, head, pool_elem);
-      char* v_dst = PoolRow(p.v_pool, page, page_row, head, pool_elem);
-      const T* v = row(p.v, t, head);
-      if (fp8_pool) {
-        QuantizeRow<Float32>(f, reinterpret_cast<uint8_t*>(k_dst), D, k_scale);
-        QuantizeRow<E>(v, reinterpret_cast<uint8_t*>(v_dst), D, v_scale);
-      } else {
-        std::memcpy(k_dst, k_out, size_t(D) * sizeof(T));
-        std::memcpy(v_dst, v, size_t(D) * sizeof(T));
-      }
-    }
-  }
+// x / scale with the Divisor's choice of operation (see Divisor).
+HWY_INLINE VF Scaled(DF df, VF x, const Divisor& d) {
+  return d.exact_reciprocal ? hn::Mul(x, hn::Set(df, d.reciprocal)) : hn::Div(x, hn::Set(df, d.scale));
 }
 
+// One head rotated and quantised straight to e4m3 (fp8 q_rot): the rotation of
+// RotateRowToFloat, each vector divided by the scale and converted without a float32 row in
+// between; the pass-through elements quantised as read.
 template <class E>
+HWY_INLINE void RotateRowToE4M3(const typename E::T* x, uint8_t* out, const float* HWY_RESTRICT cos_t,
+                                const float* HWY_RESTRICT sin_t, const float* HWY_RESTRICT cos_il,
+                                const float* HWY_RESTRICT sin_il, int64_t rotary_dim,
+                                int64_t head_dim, bool interleaved, const Divisor& d) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  if (interleaved) {
+#if HWY_TARGET != HWY_SCALAR
+    for (; i + N <= rotary_dim; i += N) {
+      const VF v = E::load(df, x + i);
+      const VF r = hn::MulAdd(v, hn::LoadU(df, cos_il + i),
+                              hn::Mul(hn::Reverse2(df, v), hn::LoadU(df, sin_il + i)));
+      hn::StoreU(ToE4M3(df, Scaled(df, r, d)), DU8(), out + i);
+    }
+#endif
+    for (; i < rotary_dim; i += 2) {
+      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + 1]);
+      const float c = cos_il[i], s = sin_il[i + 1];
+      out[i] = float_to_e4m3((a * c - b * s) / d.scale);
+      out[i + 1] = float_to_e4m3((a * s + b * c) / d.scale);
+    }
+  } else {
+    const int64_t half = rotary_dim / 2;
+    for (; i + N <= half; i += N) {
+      const VF a = E::load(df, x + i), b = E::load(df, x + half + i);
+      const VF c = hn::LoadU(df, cos_t + i), s = hn::LoadU(df, sin_t + i);
+      hn::StoreU(ToE4M3(df, Scaled(df, hn::MulSub(a, c, hn::Mul(b, s)), d)), DU8(), out + i);
+      hn::StoreU(ToE4M3(df, Scaled(df, hn::MulAdd(a, s, hn::Mul(b, c)), d)), DU8(), out + half + i);
+    }
+    for (; i < half; ++i) {
+      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + half]);
+      out[i] = float_to_e4m3((a * cos_t[i] - b * sin_t[i]) / d.scale);
+      out[i + half] = float_to_e4m3((a * sin_t[i] + b * cos_t[i]) / d.scale);
+    }
+  }
+  if (rotary_dim < head_dim) QuantizeRow<E>(x + rotary_dim, out + rotary_dim, head_dim - rotary_dim, d);
+}
+
+// kQuant: an fp8 pool and/or an fp8 q_rot (SPEC §6). Heads whose outputs are all in q's
+// dtype take the plain path; a k head with fp8 pools is rotated into a float32 row that is
+// rounded to q's dtype (k_rot: the plain path's bits) and quantised (the pool row); an fp8
+// q_rot head is rotated and quantised in one pass. Scale tensors are read here, when the
+// kernel runs.
+template <class E, bool kQuant>
 void RunBlockT(const CallPlan& plan, const Block& block) {
   using T = typename E::T;
   constexpr bool kBF16 = std::is_same_v<E, BFloat16> && kEvenOddBF16;
@@ -617,6 +621,27 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
   const bool dup_tables = p.interleaved && !kBF16;
   const float scale = static_cast<float>(p.attention_scaling);
   const bool stream = plan.stream_stores;
+  // kQuant: tables in plain order, interleaved ones duplicated (the bf16 paths keep their
+  // own), and one float32 row.
+  float *cos_p = cos_t, *sin_p = sin_t, *cos_pil = cos_il, *sin_pil = sin_il;
+  thread_local std::vector<float> plain_table, rotated;
+  bool fp8_pool = false, fp8_q = false;
+  Divisor k_div(1.0f), v_div(1.0f), q_div(1.0f);
+  if constexpr (kQuant) {
+    fp8_pool = p.pool_dtype == DType::Float8E4M3FN;
+    fp8_q = p.q_out_dtype == DType::Float8E4M3FN;
+    k_div = Divisor(ScaleValue(p.k_scale));
+    v_div = Divisor(ScaleValue(p.v_scale));
+    q_div = Divisor(ScaleValue(p.q_scale));
+    if (rotated.size() < size_t(D)) rotated.resize(size_t(D));
+    if (kBF16) {
+      if (plain_table.size() < size_t(6 * n)) plain_table.resize(size_t(6 * n));
+      cos_p = plain_table.data();
+      sin_p = cos_p + n;
+      cos_pil = sin_p + n;
+      sin_pil = cos_pil + 2 * n;
+    }
+  }
   auto row = [](const Rows& r, int64_t index, int64_t head) {
     return static_cast<T*>(r.data) + index * r.row_stride + head * r.head_stride;
   };
@@ -632,6 +657,17 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
         cos_il[2 * i] = cos_il[2 * i + 1] = cos_t[i];
         sin_il[2 * i] = -sin_t[i];
         sin_il[2 * i + 1] = sin_t[i];
+      }
+    }
+    if constexpr (kQuant && kBF16) {
+      if (p.interleaved) {  // the bf16 GPT-J path reads cos_t/sin_t in plain order
+        for (int64_t i = 0; i < n; ++i) {
+          cos_pil[2 * i] = cos_pil[2 * i + 1] = cos_t[i];
+          sin_pil[2 * i] = -sin_t[i];
+          sin_pil[2 * i + 1] = sin_t[i];
+        }
+      } else {
+        SinCosTable(plan.inv_freq_padded, n, p.positions[t], scale, cos_p, sin_p);
       }
     }
     auto rotate = [&](const T* x, T* out, T* out2) {
@@ -661,10 +697,28 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     }
     for (int64_t h = block.head_begin; h < block.head_end; ++h) {
       if (h < Hq) {
-        rotate(row(p.q, t, h), row(p.q_out, t, h), nullptr);
+        if (kQuant && fp8_q)
+          RotateRowToE4M3<E>(row(p.q, t, h),
+                             static_cast<uint8_t*>(p.q_out.data) + t * p.q_out.row_stride +
+                                 h * p.q_out.head_stride,
+                             cos_p, sin_p, cos_pil, sin_pil, R, D, p.interleaved, q_div);
+        else
+          rotate(row(p.q, t, h), row(p.q_out, t, h), nullptr);
         continue;
       }
       const int64_t kv = h - Hq;
+      if (kQuant && fp8_pool) {
+        float* f = rotated.data();
+        RotateRowToFloat<E>(row(p.k, t, kv), f, cos_p, sin_p, cos_pil, sin_pil, R, D, p.interleaved);
+        DemoteRowTo<E>(f, row(p.k_out, t, kv), D);
+        if (slot >= 0) {
+          QuantizeRow<Float32>(f, reinterpret_cast<uint8_t*>(PoolRow(p.k_pool, page, page_row, kv, 1)),
+                               D, k_div);
+          QuantizeRow<E>(row(p.v, t, kv),
+                         reinterpret_cast<uint8_t*>(PoolRow(p.v_pool, page, page_row, kv, 1)), D, v_div);
+        }
+        continue;
+      }
       rotate(row(p.k, t, kv), row(p.k_out, t, kv),
              slot >= 0 ? pool_row(p.k_pool, page, page_row, kv) : nullptr);
       if (slot >= 0)
@@ -680,16 +734,16 @@ void RunBlock(const CallPlan& plan, const Block& block) {
   if (plan.problem->pool_dtype == DType::Float8E4M3FN ||
       plan.problem->q_out_dtype == DType::Float8E4M3FN) {
     switch (plan.problem->dtype) {
-      case DType::Float32: return RunBlockQuantT<Float32>(plan, block);
-      case DType::Float16: return RunBlockQuantT<Float16>(plan, block);
-      case DType::BFloat16: return RunBlockQuantT<BFloat16>(plan, block);
+      case DType::Float32: return RunBlockT<Float32, true>(plan, block);
+      case DType::Float16: return RunBlockT<Float16, true>(plan, block);
+      case DType::BFloat16: return RunBlockT<BFloat16, true>(plan, block);
       default: return;
     }
   }
   switch (plan.problem->dtype) {
-    case DType::Float32: return RunBlockT<Float32>(plan, block);
-    case DType::Float16: return RunBlockT<Float16>(plan, block);
-    case DType::BFloat16: return RunBlockT<BFloat16>(plan, block);
+    case DType::Float32: return RunBlockT<Float32, false>(plan, block);
+    case DType::Float16: return RunBlockT<Float16, false>(plan, block);
+    case DType::BFloat16: return RunBlockT<BFloat16, false>(plan, block);
     default: return;
   }
 }
@@ -735,7 +789,7 @@ void DemoteRow(DType dtype, const float* in, void* out, int64_t n) {
 
 // The kernels' float32 -> e4m3 quantisation (x / scale), exposed for tests.
 void QuantizeE4M3Row(const float* in, uint8_t* out, int64_t n, float scale) {
-  QuantizeRow<Float32>(in, out, n, scale);
+  QuantizeRow<Float32>(in, out, n, Divisor(scale));
 }
 
 void PromoteRow(DType dtype, const void* in, float* out, int64_t n) {

@@ -209,9 +209,10 @@ namespace {
 uint32_t uniform_bits(DType dtype, uint64_t seed, int64_t i, double lo, double hi) {
   const double u = lo + (hi - lo) * (double(counter_bits(seed, uint64_t(i)) >> 11) * 0x1p-53);
   const float f = float(u);
-  return dtype == DType::Float32   ? float_bits(f)
-         : dtype == DType::Float16 ? float_to_half(f)
-                                   : float_to_bf16(f);
+  return dtype == DType::Float32        ? float_bits(f)
+         : dtype == DType::Float16      ? float_to_half(f)
+         : dtype == DType::Float8E4M3FN ? float_to_e4m3(f)
+                                        : float_to_bf16(f);
 }
 
 }  // namespace

@@ -125,7 +125,7 @@ bool rows_identical(const TensorView& a, int64_t row, const TensorView& b, int64
 /// thread takes one). For filling and checking, never inside a timed region.
 void parallel_for(int64_t n, int threads, const std::function<void(int64_t, int64_t)>& body);
 
-/// Element i of `data` (a float dtype) = value i of counter stream `seed`, uniform in
+/// Element i of `data` (a float dtype, float8_e4m3fn too) = value i of counter stream `seed`, uniform in
 /// [lo, hi) and rounded to the dtype; parallel.
 void fill_uniform(void* data, DType dtype, int64_t count, uint64_t seed, double lo, double hi,
                   int threads);
