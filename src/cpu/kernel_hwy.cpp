@@ -445,7 +445,8 @@ HWY_INLINE hn::Vec<DU8> ToE4M3(DF df, VF x) {
                      hn::Set(du32, 0x7eu), e);  // beyond 448, infinities included: +-448
   e = hn::IfThenElse(hn::RebindMask(du32, hn::Gt(abs_i, hn::Set(di32, 0x7f800000))),
                      hn::Set(du32, 0x7fu), e);  // NaN
-  return hn::DemoteTo(DU8(), hn::BitCast(di32, hn::Or(e, sign)));
+  // every lane is a byte value: truncation (DemoteTo's saturation would cost a few ops more)
+  return hn::U8FromU32(hn::Or(e, sign));
 }
 
 // The division by a scale, as SPEC §6 says (float32, IEEE). When 1/scale is exact in
