@@ -667,8 +667,15 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
           sin_pil[2 * i] = -sin_t[i];
           sin_pil[2 * i + 1] = sin_t[i];
         }
-      } else {
-        SinCosTable(plan.inv_freq_padded, n, p.positions[t], scale, cos_p, sin_p);
+      } else {  // undo PermuteForBF16 (cheaper than a second table)
+        const int64_t N = static_cast<int64_t>(hn::Lanes(DF())), half = R / 2;
+        int64_t i = 0;
+        for (; i + 2 * N <= half; i += 2 * N)
+          for (int64_t j = 0; j < N; ++j) {
+            cos_p[i + 2 * j] = cos_t[i + j], cos_p[i + 2 * j + 1] = cos_t[i + N + j];
+            sin_p[i + 2 * j] = sin_t[i + j], sin_p[i + 2 * j + 1] = sin_t[i + N + j];
+          }
+        for (; i < half; ++i) cos_p[i] = cos_t[i], sin_p[i] = sin_t[i];
       }
     }
     auto rotate = [&](const T* x, T* out, T* out2) {
