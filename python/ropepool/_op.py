@@ -174,10 +174,16 @@ def rope_pool_fused(
 _FP8_NAMES = ("float8_e4m3fn",)
 
 
+_NO_CACHE = (None, None, None, None, None, None, None, False)
+
+
 def _cache_args(kv_layout, k_scale, v_scale, q_scale, q_out_dtype, inplace):
     """SPEC §6 keywords as the core and the torch op schema take them: (kv_layout,
     k_scale_tensor, k_scale, v_scale_tensor, v_scale, q_scale_tensor, q_scale, q_fp8). The
     core validates the values; here only Python types are told apart."""
+    if kv_layout is None and k_scale is None and v_scale is None and q_scale is None \
+            and q_out_dtype is None:
+        return _NO_CACHE  # the common call: no per-call work here
     if kv_layout is not None and not isinstance(kv_layout, str):
         raise TypeError("rope_pool_fused: kv_layout must be None, \"NHD\" or \"HND\", got "
                         f"{type(kv_layout).__name__}")
@@ -210,6 +216,8 @@ def _cache_args(kv_layout, k_scale, v_scale, q_scale, q_out_dtype, inplace):
 
 
 def _cache_kwargs(cache):
+    if cache[0] is None and all(x is None for x in cache[1:7]):
+        return {}
     kv_layout, kt, kf, vt, vf, qt, qf, _ = cache
     return dict(kv_layout=kv_layout, k_scale_tensor=kt, k_scale=kf, v_scale_tensor=vt,
                 v_scale=vf, q_scale_tensor=qt, q_scale=qf)
@@ -364,12 +372,16 @@ if torch is not None:
         return _new_torch_output(q)
 
     def _check_torch_scales(cache) -> None:
+        if cache[1] is None and cache[3] is None and cache[5] is None:
+            return  # (`is` on tuples is not traceable by torch.compile)
         for name, t in (("k_scale", cache[1]), ("v_scale", cache[3]), ("q_scale", cache[5])):
             if t is not None and not isinstance(t, torch.Tensor):
                 raise TypeError(f"rope_pool_fused: {name} must be a float or a one-element "
                                 f"float32 torch.Tensor, got {type(t).__name__}")
 
     def _plain_scales(cache) -> bool:
+        if cache[1] is None and cache[3] is None and cache[5] is None:
+            return True
         return all(t is None or type(t) is torch.Tensor for t in (cache[1], cache[3], cache[5]))
 
     # The op is defined with torch.library's low-level API rather than the
@@ -414,10 +426,14 @@ if torch is not None:
         kwargs = dict(head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                       rope_base=rope_base, check_slots=check_slots, exporter=_to_dlpack,
                       rotary_dim=rotary_dim, interleaved=interleaved,
-                      schedule_inv_freq=inv_freq, schedule_attention_scaling=attention_scaling,
-                      kv_layout=kv_layout, k_scale_tensor=k_scale_tensor, k_scale=k_scale,
-                      v_scale_tensor=v_scale_tensor, v_scale=v_scale,
-                      q_scale_tensor=q_scale_tensor, q_scale=q_scale)
+                      schedule_inv_freq=inv_freq, schedule_attention_scaling=attention_scaling)
+        if kv_layout is not None or k_scale_tensor is not None or k_scale is not None \
+                or v_scale_tensor is not None or v_scale is not None \
+                or q_scale_tensor is not None or q_scale is not None:
+            # (left out otherwise: each keyword costs the binding's argument parsing)
+            kwargs.update(kv_layout=kv_layout, k_scale_tensor=k_scale_tensor, k_scale=k_scale,
+                          v_scale_tensor=v_scale_tensor, v_scale=v_scale,
+                          q_scale_tensor=q_scale_tensor, q_scale=q_scale)
         if q.is_cuda:
             # The kernel runs on torch's current stream of q's device, like any torch op
             # (and so inside CUDA-graph capture).
