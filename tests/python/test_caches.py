@@ -55,7 +55,7 @@ def rope_exact(x, positions, rope_base, rotary_dim=None, interleaved=False):
     return out
 
 
-def slot_index(slots, kv_layout, page_size):
+def slot_index(slots, page_size):
     """(page, row) of each slot."""
     s = slots.long().cpu()
     return s // page_size, s % page_size
@@ -66,7 +66,7 @@ def pool_rows(pool, slots, kv_layout):
     if kv_layout is None:
         return pool[slots.long()]
     page_size = pool.shape[1] if kv_layout == "NHD" else pool.shape[2]
-    page, row = slot_index(slots, kv_layout, page_size)
+    page, row = slot_index(slots, page_size)
     page, row = page.to(pool.device), row.to(pool.device)
     if kv_layout == "NHD":
         return pool[page, row]
@@ -96,10 +96,6 @@ def make_inputs(rng, device, dtype, T, Hq, Hk, D, P, *, index_dtype=torch.int32,
     drop = torch.rand(T, generator=gen) < negative
     slots[drop] = -1
     return q, k, v, positions, slots.to(index_dtype).to(device), gen
-
-
-def expected_written(slots):
-    return slots.cpu() >= 0
 
 
 # ---- the fp8 rule against torch ----------------------------------------------------------------
