@@ -1,17 +1,21 @@
 // Exact memory-overlap test of two strided views (SPEC §3), decided on the host from
 // addresses, shapes and strides only.
 //
-// A view of rank <= 3 whose last dimension is contiguous (after dropping unit and stepping
-// dimensions as below) is a set of byte runs: run length L at base + i*s_i + j*s_j for
-// i < n_i, j < n_j. Two such views share a byte iff some run of one meets some run of the
-// other, i.e. there are indices with
-//     (x0 + i*a + j*a') - (y0 + k*b + l*b')  in  [-(Lx - 1), Ly - 1].
-// We enumerate the smaller dimension of each view (heads, usually 1 after merging
-// contiguous heads into the run) and solve the larger pair (rows) exactly: the set of
-// i*a - k*b is the multiples of g = gcd(a, b), and for each multiple m*g in the window the
-// solutions form one arithmetic progression, found with the extended Euclidean algorithm.
-// Per enumerated pair the cost is min(n_i, n_k, window / g) steps; real layouts (fused QKV
-// columns, K/V halves of one cache) have one or two head pairs and one or two multiples.
+// A strided view (after dropping unit and broadcast dimensions and merging the dimensions
+// that continue a contiguous run, innermost first) is a set of byte runs: run length L at
+// base + i*s_i + (j*s_j + ...) for i < n_i, j < n_j, ... Two such views share a byte iff some
+// run of one meets some run of the other, i.e. there are indices with
+//     (x0 + i*a + J) - (y0 + k*b + L)  in  [-(Lx - 1), Ly - 1]
+// where J, L are the offsets of the other dimensions. We take the dimension of largest extent
+// of each view (rows, or pages of a paged pool) as the one to solve, enumerate the offsets of
+// the others (heads, rows of a page; usually none after merging), skipping every enumerated
+// sub-view whose byte span misses the other view, and solve the pair of large dimensions
+// exactly: the set of i*a - k*b is the multiples of g = gcd(a, b), and for each multiple
+// m*g in the window the solutions form one arithmetic progression, found with the extended
+// Euclidean algorithm. Per enumerated pair the cost is min(n_i, n_k, window / g) steps; real
+// layouts (fused QKV columns, a layer of a stacked cache, the K/V halves of vLLM's and
+// FlashInfer's combined caches, NHD or HND) enumerate one or two pairs and solve in one or
+// two steps.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -29,14 +33,15 @@ struct Dim {
   int64_t stride = 0;  // bytes, >= 0
 };
 
-// A view as runs: `run` bytes at base + i*row.stride + j*head.stride.
+// A view as runs: `run` bytes at base + i*big.stride + (offset of the small dimensions).
 struct Runs {
   int64_t base = 0;  // byte address
   int64_t run = 0;   // bytes per run
-  Dim big, small;    // the solved and the enumerated dimension
+  Dim big;           // the solved dimension (largest extent)
+  Dim small[TensorView::kMaxDims];  // the enumerated ones
+  int num_small = 0;
   int64_t lo = 0, hi = 0;  // first byte, one past the last byte
   bool empty = true;
-  bool ok = false;   // representable (rank and inner contiguity); otherwise use the span only
 };
 
 Runs as_runs(const TensorView& v) {
@@ -77,14 +82,31 @@ Runs as_runs(const TensorView& v) {
     ++first;
   }
   r.run = run;
-  const int left = nd - first;
-  if (left > 2) return r;  // not a [rows, heads, contiguous] view: span only
-  Dim a = left >= 1 ? dims[first] : Dim{}, b = left == 2 ? dims[first + 1] : Dim{};
-  if (a.n > b.n) std::swap(a, b);
-  r.small = a;
-  r.big = b;
-  r.ok = true;
+  int big = -1;
+  for (int i = first; i < nd; ++i)
+    if (big < 0 || dims[i].n > dims[big].n) big = i;
+  if (big >= 0) r.big = dims[big];
+  for (int i = first; i < nd; ++i)
+    if (i != big) r.small[r.num_small++] = dims[i];
   return r;
+}
+
+// Calls f(offset) for the byte offset of every combination of r's small dimensions, until f
+// returns true (then returns true).
+template <class F>
+bool any_offset(const Runs& r, F f) {
+  int64_t index[TensorView::kMaxDims] = {};
+  for (;;) {
+    int64_t offset = 0;
+    for (int i = 0; i < r.num_small; ++i) offset += index[i] * r.small[i].stride;
+    if (f(offset)) return true;
+    int i = 0;
+    for (; i < r.num_small; ++i) {
+      if (++index[i] < r.small[i].n) break;
+      index[i] = 0;
+    }
+    if (i == r.num_small) return false;
+  }
 }
 
 int64_t floor_div(i128 a, i128 b) {  // b > 0
@@ -174,16 +196,21 @@ bool views_overlap(const TensorView& x, const TensorView& y) {
   const ByteSpan sx = byte_span(x), sy = byte_span(y);
   if (sx.empty() || sy.empty() || sx.hi <= sy.lo || sy.hi <= sx.lo) return false;
   const Runs a = as_runs(x), b = as_runs(y);
-  if (!a.ok || !b.ok) return true;  // not analysable: the spans decide
-  for (int64_t j = 0; j < a.small.n; ++j)
-    for (int64_t l = 0; l < b.small.n; ++l) {
-      const i128 c = i128(a.base) + i128(j) * a.small.stride - b.base - i128(l) * b.small.stride;
+  // the bytes [lo, hi) of the runs along the big dimension from `start`
+  auto extent = [](const Runs& r) { return r.big.stride * (r.big.n - 1) + r.run; };
+  const int64_t a_extent = extent(a), b_extent = extent(b);
+  return any_offset(a, [&](int64_t ja) {
+    const int64_t a_lo = a.base + ja, a_hi = a_lo + a_extent;
+    if (a_hi <= b.lo || b.hi <= a_lo) return false;
+    return any_offset(b, [&](int64_t lb) {
+      const int64_t b_lo = b.base + lb;
+      if (a_hi <= b_lo || b_lo + b_extent <= a_lo) return false;
+      const i128 c = i128(a_lo) - b_lo;
       // run starts: c + i*A - k*B must lie in [-(La - 1), Lb - 1]
-      if (solve_rows(a.big.n, a.big.stride, b.big.n, b.big.stride, -i128(a.run - 1) - c,
-                     i128(b.run - 1) - c))
-        return true;
-    }
-  return false;
+      return solve_rows(a.big.n, a.big.stride, b.big.n, b.big.stride, -i128(a.run - 1) - c,
+                        i128(b.run - 1) - c);
+    });
+  });
 }
 
 }  // namespace ropepool

@@ -30,15 +30,35 @@ void store(const TensorView& x, int64_t t, int64_t h, int64_t d, double value) {
   }
 }
 
-void copy_row(const TensorView& from, int64_t t, const TensorView& to, int64_t row, int64_t H,
-              int64_t D) {
-  const size_t es = dtype_size(from.dtype);
-  for (int64_t h = 0; h < H; ++h)
-    for (int64_t d = 0; d < D; ++d)
-      std::memcpy(element(to, row, h, d), element(from, t, h, d), es);
-}
+// SPEC §6: e4m3(x / scale), the division in float32.
+uint8_t quantize(double value, float scale) { return float_to_e4m3(static_cast<float>(value) / scale); }
 
 }  // namespace
+
+void* pool_element(const TensorView& pool, KvLayout layout, int64_t slot, int64_t h, int64_t d) {
+  int64_t off = 0;
+  switch (layout) {
+    case KvLayout::None: off = slot * pool.strides[0] + h * pool.strides[1] + d * pool.strides[2]; break;
+    case KvLayout::NHD: {
+      const int64_t ps = pool.shape[1];
+      off = (slot / ps) * pool.strides[0] + (slot % ps) * pool.strides[1] + h * pool.strides[2] +
+            d * pool.strides[3];
+      break;
+    }
+    case KvLayout::HND: {
+      const int64_t ps = pool.shape[2];
+      off = (slot / ps) * pool.strides[0] + h * pool.strides[1] + (slot % ps) * pool.strides[2] +
+            d * pool.strides[3];
+      break;
+    }
+  }
+  return static_cast<char*>(pool.data) + off * int64_t(dtype_size(pool.dtype));
+}
+
+float scale_value(const QuantScale& scale) {
+  if (scale.has_tensor()) return *static_cast<const float*>(scale.tensor.data);
+  return scale.value ? static_cast<float>(*scale.value) : 1.0f;
+}
 
 double load(const TensorView& x, int64_t t, int64_t h, int64_t d) {
   const void* p = element(x, t, h, d);
@@ -140,6 +160,10 @@ std::vector<double> rotate(const std::vector<double>& x, int64_t T, int64_t H, i
 void rope_pool_fused(const RopePoolTensors& t, const RopePoolParams& params) {
   const RopeSchedule schedule = make_rope_schedule(params);
   const int64_t T = t.q.shape[0], Hq = t.q.shape[1], Hk = t.k.shape[1], D = t.q.shape[2];
+  const bool fp8_q = t.q_out.dtype == DType::Float8E4M3FN;
+  const bool fp8_pool = t.k_pool.dtype == DType::Float8E4M3FN;
+  const float q_scale = scale_value(params.q_scale), k_scale = scale_value(params.k_scale),
+              v_scale = scale_value(params.v_scale);
   // both rotations are complete before any store, so q_out/k_out may alias q/k (in place)
   const double eps = params.norm_eps.value_or(1e-6);
   const bool gemma = params.norm_style.value_or("rms") == "gemma";
@@ -152,15 +176,32 @@ void rope_pool_fused(const RopePoolTensors& t, const RopePoolParams& params) {
   const std::vector<double> k_rot = rotated(t.k, params.k_norm_weight);
   for (int64_t i = 0; i < T; ++i) {
     for (int64_t h = 0; h < Hq; ++h)
-      for (int64_t d = 0; d < D; ++d) store(t.q_out, i, h, d, q_rot[size_t((i * Hq + h) * D + d)]);
+      for (int64_t d = 0; d < D; ++d) {
+        const double x = q_rot[size_t((i * Hq + h) * D + d)];
+        if (fp8_q)
+          *static_cast<uint8_t*>(element(t.q_out, i, h, d)) = quantize(x, q_scale);
+        else
+          store(t.q_out, i, h, d, x);
+      }
     for (int64_t h = 0; h < Hk; ++h)
       for (int64_t d = 0; d < D; ++d) store(t.k_out, i, h, d, k_rot[size_t((i * Hk + h) * D + d)]);
   }
+  const size_t es = dtype_size(t.k_pool.dtype);
   for (int64_t i = 0; i < T; ++i) {
     const int64_t slot = load_index(t.slots, i);
     if (slot < 0) continue;
-    copy_row(t.k_out, i, t.k_pool, slot, Hk, D);
-    copy_row(t.v, i, t.v_pool, slot, Hk, D);
+    for (int64_t h = 0; h < Hk; ++h)
+      for (int64_t d = 0; d < D; ++d) {
+        void* k_dst = pool_element(t.k_pool, params.kv_layout, slot, h, d);
+        void* v_dst = pool_element(t.v_pool, params.kv_layout, slot, h, d);
+        if (fp8_pool) {
+          *static_cast<uint8_t*>(k_dst) = quantize(k_rot[size_t((i * Hk + h) * D + d)], k_scale);
+          *static_cast<uint8_t*>(v_dst) = quantize(load(t.v, i, h, d), v_scale);
+        } else {
+          std::memcpy(k_dst, element(t.k_out, i, h, d), es);
+          std::memcpy(v_dst, element(t.v, i, h, d), es);
+        }
+      }
   }
 }
 

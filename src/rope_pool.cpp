@@ -32,6 +32,9 @@ const char* arg_name(Arg a) {
     case Arg::v_pool: return "v_pool";
     case Arg::q_out: return "q_out";
     case Arg::k_out: return "k_out";
+    case Arg::k_scale: return "k_scale";
+    case Arg::v_scale: return "v_scale";
+    case Arg::q_scale: return "q_scale";
   }
   return "?";
 }
@@ -54,9 +57,60 @@ struct Checker {
 
   static std::string pool_hint(const TensorView& pool) {
     if (pool.ndim == 4)
-      return "a layer-stacked pool [L, P, H, D] must be indexed as `k_pool[layer]`";
+      return "a layer-stacked pool [L, P, H, D] must be indexed as `k_pool[layer]`; a paged "
+             "pool needs kv_layout \"NHD\" ([pages, page_size, H, D]) or \"HND\" "
+             "([pages, H, page_size, D])";
+    if (pool.ndim == 5)
+      return "pass the K and V halves of a combined cache as k_pool and v_pool, e.g. "
+             "`kv_cache[0]`, `kv_cache[1]` of vLLM's [2, blocks, block_size, H, D] or "
+             "`kv_cache[:, 0]`, `kv_cache[:, 1]` of FlashInfer's [pages, 2, ...], with kv_layout";
     if (pool.ndim == 2) return "a flat pool [P, H*D] must be viewed as `[P, H, D]`";
     return {};
+  }
+
+  bool paged() const { return p.kv_layout != KvLayout::None; }
+
+  // The expected pool shape, in words, for messages.
+  std::string pool_shape_words() const {
+    const std::string hk = "num_kv_heads = " + std::to_string(p.num_kv_heads),
+                      d = "head_dim = " + std::to_string(p.head_dim);
+    switch (p.kv_layout) {
+      case KvLayout::NHD: return "[pages, page_size, " + hk + ", " + d + "]";
+      case KvLayout::HND: return "[pages, " + hk + ", page_size, " + d + "]";
+      case KvLayout::None: break;
+    }
+    return "[P, " + hk + ", " + d + "]";
+  }
+
+  // Heads and head size of a pool of the call's rank (SPEC §2 message 8, §6).
+  bool pool_heads_ok(const TensorView& pool) const {
+    switch (p.kv_layout) {
+      case KvLayout::NHD: return pool.shape[2] == p.num_kv_heads && pool.shape[3] == p.head_dim;
+      case KvLayout::HND: return pool.shape[1] == p.num_kv_heads && pool.shape[3] == p.head_dim;
+      case KvLayout::None: break;
+    }
+    return pool.shape[1] == p.num_kv_heads && pool.shape[2] == p.head_dim;
+  }
+
+  std::string pool_geometry_hint(const TensorView& pool) const {
+    if (!paged())
+      return pool.shape[1] * pool.shape[2] == p.num_kv_heads * p.head_dim
+                 ? "the pool's heads and head size are swapped or merged; view it as "
+                   "[P, num_kv_heads, head_dim]"
+                 : "";
+    std::string h = std::string("kv_layout \"") + kv_layout_name(p.kv_layout) + "\" expects " +
+                    pool_shape_words();
+    const bool other = p.kv_layout == KvLayout::NHD
+                           ? pool.shape[1] == p.num_kv_heads && pool.shape[3] == p.head_dim
+                           : pool.shape[2] == p.num_kv_heads && pool.shape[3] == p.head_dim;
+    if (other)
+      h += std::string("; this pool fits kv_layout \"") +
+           (p.kv_layout == KvLayout::NHD ? "HND" : "NHD") + "\"";
+    return h;
+  }
+
+  static bool fp8_pools(const TensorView& k_pool, const TensorView& v_pool) {
+    return k_pool.dtype == DType::Float8E4M3FN && v_pool.dtype == DType::Float8E4M3FN;
   }
 
   // SPEC §2 checks 1-11, in order, with the exact contract messages.
@@ -73,9 +127,19 @@ struct Checker {
       fail("rope_pool_fused: with mrope_section, positions must be [3, num_tokens] (temporal, "
            "height and width rows), got " + shape(Arg::positions, t.positions),
            "text-only tokens take the same position in all three rows");
-    if (t.k_pool.ndim != 3 || t.v_pool.ndim != 3)
+    if (!paged() && (t.k_pool.ndim != 3 || t.v_pool.ndim != 3))
       fail("rope_pool_fused expects pool tensors to be 3-D",
            pool_hint(t.k_pool.ndim != 3 ? t.k_pool : t.v_pool));
+    if (paged() && (t.k_pool.ndim != 4 || t.v_pool.ndim != 4)) {
+      const bool k_bad = t.k_pool.ndim != 4;
+      fail(std::string("rope_pool_fused: kv_layout \"") + kv_layout_name(p.kv_layout) +
+               "\" expects 4-D pools " + pool_shape_words() + ", got " +
+               (k_bad ? "k_pool " + shape(Arg::k_pool, t.k_pool)
+                      : "v_pool " + shape(Arg::v_pool, t.v_pool)),
+           (k_bad ? t.k_pool : t.v_pool).ndim == 3
+               ? "a [P, num_kv_heads, head_dim] pool takes no kv_layout"
+               : pool_hint(k_bad ? t.k_pool : t.v_pool));
+    }
     const int64_t T = t.q.shape[0];
     if (t.q.shape[1] != p.num_qo_heads || t.q.shape[2] != p.head_dim)
       fail("q shape must be [num_tokens, num_qo_heads, head_dim], got " + shape(Arg::q, t.q),
@@ -88,23 +152,22 @@ struct Checker {
            shape(Arg::k, t.k));
     if (t.positions.shape[t.positions.ndim - 1] != T || t.slots.shape[0] != T)
       fail("positions/slots must have one entry per token");
-    if (t.k_pool.shape[1] != p.num_kv_heads || t.k_pool.shape[2] != p.head_dim)
+    if (!pool_heads_ok(t.k_pool))
       fail("k_pool has incompatible shape " + shape(Arg::k_pool, t.k_pool),
-           t.k_pool.shape[1] * t.k_pool.shape[2] == p.num_kv_heads * p.head_dim
-               ? "the pool's heads and head size are swapped or merged; view it as "
-                 "[P, num_kv_heads, head_dim]"
-               : "");
+           pool_geometry_hint(t.k_pool));
     if (!same_shape(t.v_pool, t.k_pool))
       fail("v_pool shape must match k_pool shape, got " + shape(Arg::v_pool, t.v_pool) +
            " vs " + shape(Arg::k_pool, t.k_pool));
     if (t.k.dtype != t.q.dtype || t.v.dtype != t.q.dtype)
       fail("q/k/v dtypes must match", std::string("got q ") + dtype_name(t.q.dtype) + ", k " +
                                           dtype_name(t.k.dtype) + ", v " + dtype_name(t.v.dtype));
-    if (t.k_pool.dtype != t.q.dtype || t.v_pool.dtype != t.q.dtype)
+    // SPEC §6: float8_e4m3fn pools (both) take q/k/v of any float dtype.
+    if ((t.k_pool.dtype != t.q.dtype || t.v_pool.dtype != t.q.dtype) &&
+        !fp8_pools(t.k_pool, t.v_pool))
       fail("pool dtypes must match q/k/v dtype",
            std::string("got k_pool ") + dtype_name(t.k_pool.dtype) + ", v_pool " +
                dtype_name(t.v_pool.dtype) + " for q/k/v of " + dtype_name(t.q.dtype) +
-               "; the pools hold rotated k and v in q's dtype");
+               "; the pools hold rotated k and v in q's dtype, or both in float8_e4m3fn");
   }
 
   // Which keyword or dimension disagrees, for the shape messages of §2 (whose text is fixed).
@@ -194,6 +257,7 @@ struct Checker {
            " exceeds the limit of " + std::to_string(detail::kCudaFusionMaxHeadDim) +
            " on the cuda backend with q_norm_weight/k_norm_weight");
     outputs();
+    scales();
     layouts();
     limits(*schedule);
     overlaps();
@@ -248,9 +312,15 @@ struct Checker {
                           {&t.k_out, k_inplace ? "k (rotated in place)" : "k_out"},
                           {&t.k_pool, "k_pool"},
                           {&t.v_pool, "v_pool"}};
-    const Named ins[] = {{&t.q, "q"}, {&t.k, "k"}, {&t.v, "v"}, {&t.positions, "positions"},
-                         {&t.slots, "slots"}, {&p.q_norm_weight, "q_norm_weight"},
-                         {&p.k_norm_weight, "k_norm_weight"}};
+    // The inputs, the scale tensors (read while the outputs are written) and the SPEC §7
+    // norm weights.
+    Named ins[10] = {{&t.q, "q"}, {&t.k, "k"}, {&t.v, "v"}, {&t.positions, "positions"},
+                     {&t.slots, "slots"}};
+    size_t num_ins = 5;
+    for (auto [s, n] : {std::pair{&p.k_scale, "k_scale"}, {&p.v_scale, "v_scale"}, {&p.q_scale, "q_scale"}})
+      if (s->has_tensor()) ins[num_ins++] = {&s->tensor, n};
+    for (auto [w, n] : {std::pair{&p.q_norm_weight, "q_norm_weight"}, {&p.k_norm_weight, "k_norm_weight"}})
+      if (w->data) ins[num_ins++] = {w, n};
     auto reject = [](const char* a, const char* b) {
       fail(std::string("rope_pool_fused: ") + a + " and " + b +
                " overlap in memory (they share at least one byte); the result would depend "
@@ -260,15 +330,14 @@ struct Checker {
     };
     // Byte spans first (one pass over the nine views): disjoint spans, the common case, cost
     // two comparisons per pair; only intersecting spans get the exact test.
-    constexpr size_t kIns = std::size(ins);
-    ByteSpan out_span[4], in_span[kIns];
+    ByteSpan out_span[4], in_span[10];
     for (size_t i = 0; i < 4; ++i) out_span[i] = byte_span(*outs[i].view);
-    for (size_t i = 0; i < kIns; ++i) in_span[i] = byte_span(*ins[i].view);
+    for (size_t i = 0; i < num_ins; ++i) in_span[i] = byte_span(*ins[i].view);
     auto meet = [](const ByteSpan& a, const ByteSpan& b) {
       return !a.empty() && !b.empty() && a.lo < b.hi && b.lo < a.hi;
     };
     for (size_t o = 0; o < 4; ++o) {
-      for (size_t i = 0; i < kIns; ++i) {
+      for (size_t i = 0; i < num_ins; ++i) {
         if ((o == 0 && i == 0 && q_inplace) || (o == 1 && i == 1 && k_inplace)) continue;
         if (meet(out_span[o], in_span[i]) && views_overlap(*outs[o].view, *ins[i].view))
           reject(outs[o].name, ins[i].name);
@@ -294,20 +363,70 @@ struct Checker {
       fail("rope_pool_fused: unsupported device; expected cpu or cuda tensors");
   }
 
-  // Caller-allocated outputs (the C++ API; the Python layer allocates them itself).
+  // Caller-allocated outputs (the C++ API; the Python layer allocates them itself). q_out
+  // may also be float8_e4m3fn (SPEC §6, quantised with q_scale).
   void outputs() const {
     for (auto [a, out, in] : {std::tuple{Arg::q_out, &t.q_out, &t.q}, {Arg::k_out, &t.k_out, &t.k}})
-      if (!same_shape(*out, *in) || out->dtype != in->dtype)
+      if (!same_shape(*out, *in) ||
+          (out->dtype != in->dtype && !(a == Arg::q_out && out->dtype == DType::Float8E4M3FN)))
         fail(std::string("rope_pool_fused: ") + arg_name(a) + " must have the shape and dtype of " +
              arg_name(a == Arg::q_out ? Arg::q : Arg::k) + ", got " + shape(a, *out) + " " +
              dtype_name(out->dtype));
   }
 
+  // SPEC §6: k_scale/v_scale only with float8_e4m3fn pools, q_scale only with a
+  // float8_e4m3fn q_out; a number finite and > 0 as float32; a tensor of one float32 on the
+  // pools' device, whose value is checked where reading it is free (host memory).
+  void scales() const {
+    const bool fp8_pool = fp8_pools(t.k_pool, t.v_pool), fp8_q = t.q_out.dtype == DType::Float8E4M3FN;
+    for (auto [a, s, used] : {std::tuple{Arg::k_scale, &p.k_scale, fp8_pool},
+                              {Arg::v_scale, &p.v_scale, fp8_pool}, {Arg::q_scale, &p.q_scale, fp8_q}}) {
+      if (!s->given()) continue;
+      const std::string name = arg_name(a);
+      if (!used) {
+        if (a == Arg::q_scale)
+          fail("rope_pool_fused: q_scale is given but q_rot is " + std::string(dtype_name(t.q_out.dtype)) +
+                   "; q_scale quantises a float8_e4m3fn q_rot only",
+               "ask for an fp8 q_rot (Python: q_out_dtype=torch.float8_e4m3fn; C++: a "
+               "float8_e4m3fn q_out), or drop q_scale");
+        fail("rope_pool_fused: " + name + " is given but the pools are " +
+                 dtype_name(t.k_pool.dtype) + "; k_scale and v_scale quantise float8_e4m3fn pools only",
+             "pass float8_e4m3fn pools, or drop the scale");
+      }
+      if (s->value && s->has_tensor())
+        fail("rope_pool_fused: " + name + " is both a number and a tensor; pass one of them");
+      if (s->value) {
+        const float f = static_cast<float>(*s->value);
+        if (!(std::isfinite(f) && f > 0))
+          fail("rope_pool_fused: " + name + " must be finite and > 0, got " + num(*s->value) +
+               (std::isfinite(*s->value) && *s->value > 0 ? " (" + num(f) + " as float32)" : ""));
+        continue;
+      }
+      const TensorView& x = s->tensor;
+      if (x.numel() != 1)
+        fail("rope_pool_fused: " + name + " must be a number or a one-element float32 tensor, got shape " +
+             shape(a, x));
+      if (x.dtype != DType::Float32)
+        fail("rope_pool_fused: " + name + " must be a float32 tensor, got " + dtype_name(x.dtype));
+      if (!(x.device == t.k_pool.device))
+        fail("rope_pool_fused: " + name + " must be on the pools' device (" +
+             device_name(t.k_pool.device) + "), got " + device_name(x.device));
+      if (x.device.type == DeviceType::CPU) {
+        const float f = *static_cast<const float*>(x.data);
+        if (!(std::isfinite(f) && f > 0))
+          fail("rope_pool_fused: " + name + " must be finite and > 0, got " + num(f) +
+               " (the tensor's value)");
+      }
+    }
+  }
+
   void layouts() const {
     for (auto [a, v] : all()) {
       // an empty tensor addresses nothing (frameworks export it with arbitrary strides)
-      if (v->ndim != 3 || v->numel() == 0) continue;
-      if (v->shape[2] > 1 && v->strides[2] != 1)
+      // (positions/slots are 1-D and read through their stride)
+      if (v->ndim < 3 || v->numel() == 0) continue;
+      const int last = v->ndim - 1;
+      if (v->shape[last] > 1 && v->strides[last] != 1)
         fail(std::string("rope_pool_fused: ") + arg_name(a) +
                  " must have a contiguous last dimension (stride 1), got strides " +
                  strides_str(*v),
@@ -330,19 +449,22 @@ struct Checker {
             {Arg::v_pool, &t.v_pool}, {Arg::q_out, &t.q_out}, {Arg::k_out, &t.k_out}}};
   }
 
-  // [rows, heads, D] with unit last stride: dims of extent > 1, taken by increasing stride,
-  // must each step over everything the smaller dims span.
+  // [rows, heads, D] (or a 4-D pool) with unit last stride: dims of extent > 1, taken by
+  // increasing stride, must each step over everything the smaller dims span.
   static bool non_overlapping(const TensorView& v) {
     if (v.numel() == 0) return true;
-    std::pair<int64_t, int64_t> dims[2];  // (stride, extent)
+    std::pair<int64_t, int64_t> dims[TensorView::kMaxDims];  // (stride, extent)
     int n = 0;
-    for (int i = 0; i < 2; ++i)
+    const int last = v.ndim - 1;
+    for (int i = 0; i < last; ++i)
       if (v.shape[i] > 1) {
         if (v.strides[i] <= 0) return false;
         dims[n++] = {v.strides[i], v.shape[i]};
       }
-    std::sort(dims, dims + n);
-    int64_t span = v.shape[2];
+    // insertion sort of at most 7 dims (std::sort trips GCC's -Warray-bounds here)
+    for (int i = 1; i < n; ++i)
+      for (int j = i; j > 0 && dims[j] < dims[j - 1]; --j) std::swap(dims[j], dims[j - 1]);
+    int64_t span = v.shape[last];
     for (int i = 0; i < n; ++i) {
       if (dims[i].first < span) return false;
       span = dims[i].first * (dims[i].second - 1) + span;
@@ -353,7 +475,21 @@ struct Checker {
 };
 
 detail::Rows rows(const TensorView& v) { return {v.data, v.strides[0], v.strides[1]}; }
-detail::PoolRows pool_rows(const TensorView& v) { return {v.data, v.strides[0], 0, v.strides[1]}; }
+// SPEC §6: [P, Hk, D] is page_size 1; NHD [pages, page_size, Hk, D]; HND [pages, Hk, page_size, D].
+detail::PoolRows pool_rows(const TensorView& v, KvLayout layout) {
+  switch (layout) {
+    case KvLayout::NHD: return {v.data, v.strides[0], v.strides[1], v.strides[2]};
+    case KvLayout::HND: return {v.data, v.strides[0], v.strides[2], v.strides[1]};
+    case KvLayout::None: break;
+  }
+  return {v.data, v.strides[0], 0, v.strides[1]};
+}
+detail::Scale scale(const QuantScale& s) {
+  detail::Scale out;
+  if (s.has_tensor()) out.ptr = static_cast<const float*>(s.tensor.data);
+  else if (s.value) out.value = static_cast<float>(*s.value);
+  return out;
+}
 detail::Index index(const TensorView& v) {
   return {v.data, v.strides[0], v.dtype == DType::Int64};
 }
@@ -383,7 +519,13 @@ Checked check(const RopePoolTensors& t, const RopePoolParams& p, const CallOptio
   problem.num_qo_heads = p.num_qo_heads;
   problem.num_kv_heads = p.num_kv_heads;
   problem.head_dim = p.head_dim;
-  problem.pool_size = t.k_pool.shape[0];
+  const int64_t page_size = p.kv_layout == KvLayout::NHD   ? t.k_pool.shape[1]
+                            : p.kv_layout == KvLayout::HND ? t.k_pool.shape[2]
+                                                           : 1;
+  problem.pool_size = t.k_pool.shape[0] * page_size;
+  // An empty page (page_size 0) holds no slot: every slot >= 0 is out of range; kernels
+  // still get a divisor they can use.
+  problem.page_size = std::max<int64_t>(1, page_size);
   problem.q = rows(t.q);
   problem.k = rows(t.k);
   problem.v = rows(t.v);
@@ -391,8 +533,11 @@ Checked check(const RopePoolTensors& t, const RopePoolParams& p, const CallOptio
   problem.k_out = rows(t.k_out);
   problem.pool_dtype = t.k_pool.dtype;
   problem.q_out_dtype = t.q_out.dtype;
-  problem.k_pool = pool_rows(t.k_pool);
-  problem.v_pool = pool_rows(t.v_pool);
+  problem.k_pool = pool_rows(t.k_pool, p.kv_layout);
+  problem.v_pool = pool_rows(t.v_pool, p.kv_layout);
+  problem.k_scale = scale(p.k_scale);
+  problem.v_scale = scale(p.v_scale);
+  problem.q_scale = scale(p.q_scale);
   problem.positions = position_row(t.positions, 0);
   problem.slots = index(t.slots);
   problem.check_slots = o.check_slots;
@@ -465,6 +610,23 @@ void check_slot_values(const Index& slots, int64_t T, int64_t P, bool reject_dup
 }
 
 }  // namespace detail
+
+const char* kv_layout_name(KvLayout layout) {
+  switch (layout) {
+    case KvLayout::NHD: return "NHD";
+    case KvLayout::HND: return "HND";
+    case KvLayout::None: break;
+  }
+  return "none";
+}
+
+KvLayout parse_kv_layout(const std::string& name) {
+  if (name == "NHD") return KvLayout::NHD;
+  if (name == "HND") return KvLayout::HND;
+  throw Error("rope_pool_fused: kv_layout must be None, \"NHD\" or \"HND\", got \"" + name + "\"",
+              "NHD: pools [pages, page_size, num_kv_heads, head_dim]; HND: [pages, num_kv_heads, "
+              "page_size, head_dim]");
+}
 
 void validate_rope_pool(const RopePoolTensors& tensors, const RopePoolParams& params,
                         const CallOptions& options) {

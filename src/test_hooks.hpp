@@ -29,6 +29,8 @@ int64_t parallel_min_bytes();
 /// float32 -> dtype with the kernels' vector rounding (RNE, NaN kept NaN), and back.
 void demote_row_hwy(DType dtype, const float* in, void* out, int64_t n);
 void promote_row_hwy(DType dtype, const void* in, float* out, int64_t n);
+/// out[i] = e4m3(in[i] / scale) with the kernels' vector quantisation (SPEC §6's rule).
+void quantize_e4m3_row_hwy(const float* in, uint8_t* out, int64_t n, float scale);
 /// The Highway target the CPU kernel dispatches to now, e.g. "AVX3".
 const char* hwy_target_name();
 

@@ -37,6 +37,12 @@ struct BenchConfig {
   double skip_fraction = 0.05;  // share of tokens with slot -1 (no pool write)
   uint64_t seed = 20240601;
   std::string json_path;
+  // SPEC §6
+  DType pool_dtype = DType::Other;   // Other: dtype
+  DType q_out_dtype = DType::Other;  // Other: dtype
+  KvLayout kv_layout = KvLayout::None;
+  int64_t page_size = 1;
+  static constexpr double kScale = 0.015625;  // k/v/q scale of fp8 runs (a power of two)
   // SPEC §7: --qk-norm (q and k weights in the input dtype, Qwen3's "rms" style) and
   // --mrope (positions [3, T], Qwen2-VL's sections scaled to head_dim).
   bool qk_norm = false;
@@ -131,6 +137,7 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
   RopePoolParams p = cfg.params;
   const int64_t Hq = p.num_qo_heads, Hk = p.num_kv_heads, D = p.head_dim;
   const size_t es = dtype_size(cfg.dtype), is = dtype_size(cfg.index_dtype);
+  const size_t pool_es = dtype_size(cfg.pool_dtype), q_out_es = dtype_size(cfg.q_out_dtype);
   const int64_t position_rows = cfg.mrope ? 3 : 1;
   // SPEC §7: the norm weights (in q's dtype, around 1 as trained ones are) and mRoPE.
   HostBuffer q_norm_w("q_norm_weight", cfg.dtype, D, 0), k_norm_w("k_norm_weight", cfg.dtype, D, 0);
@@ -145,12 +152,17 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
   }
   if (cfg.mrope) p.rope_scaling.mrope_section = mrope_section_for(D);
   const int threads = cfg.threads;
+  const int64_t ps = cfg.page_size;
   TokenResult r;
   r.tokens = T;
-  r.pool_slots = std::max(cfg.min_pool_slots, 4 * T);
-  r.bytes_per_call =
-      double(T) * double(D * int64_t(es) * (2 * Hq + 5 * Hk)) +
-      double(T * (position_rows + 1) * int64_t(is)) + (cfg.qk_norm ? double(2 * D * int64_t(es)) : 0);
+  r.pool_slots = (std::max(cfg.min_pool_slots, 4 * T) + ps - 1) / ps * ps;
+  // every tensor at its own element size: q, k, v read; q_rot, k_rot, k/v pool rows written;
+  // positions ([3, T] with --mrope), slots and the two norm weights (--qk-norm)
+  r.bytes_per_call = double(T) * double(D) *
+                         double(int64_t(es) * (Hq + 3 * Hk) + int64_t(q_out_es) * Hq +
+                                2 * int64_t(pool_es) * Hk) +
+                     double(T * (position_rows + 1) * int64_t(is)) +
+                     (cfg.qk_norm ? double(2 * D * int64_t(es)) : 0);
   const size_t set_bytes =
       size_t(T) * size_t(D) * es * size_t(2 * Hq + 3 * Hk) + size_t(T) * 2 * is;
   // Rotate among input sets so a small call does not find its inputs already in cache.
@@ -164,11 +176,42 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
                (long long)P);
   const uint64_t k_pool_seed = counter_bits(cfg.seed, uint64_t(T) * 4 + 1);
   const uint64_t v_pool_seed = counter_bits(cfg.seed, uint64_t(T) * 4 + 2);
-  HostBuffer k_pool("k_pool", cfg.dtype, P * Hk * D, 0), v_pool("v_pool", cfg.dtype, P * Hk * D, 0);
-  fill_uniform(k_pool.data(), cfg.dtype, P * Hk * D, k_pool_seed, -4, 4, threads);
-  fill_uniform(v_pool.data(), cfg.dtype, P * Hk * D, v_pool_seed, -4, 4, threads);
-  const TensorView k_pool_view = TensorView::contiguous(k_pool.data(), cfg.dtype, {P, Hk, D});
-  const TensorView v_pool_view = TensorView::contiguous(v_pool.data(), cfg.dtype, {P, Hk, D});
+  const DType pd = cfg.pool_dtype;
+  HostBuffer k_pool("k_pool", pd, P * Hk * D, 0), v_pool("v_pool", pd, P * Hk * D, 0);
+  fill_uniform(k_pool.data(), pd, P * Hk * D, k_pool_seed, -4, 4, threads);
+  fill_uniform(v_pool.data(), pd, P * Hk * D, v_pool_seed, -4, 4, threads);
+  auto pool_view = [&](const HostBuffer& b) {
+    switch (cfg.kv_layout) {
+      case KvLayout::NHD: return TensorView::contiguous(b.data(), pd, {P / ps, ps, Hk, D});
+      case KvLayout::HND: return TensorView::contiguous(b.data(), pd, {P / ps, Hk, ps, D});
+      case KvLayout::None: break;
+    }
+    return TensorView::contiguous(b.data(), pd, {P, Hk, D});
+  };
+  const TensorView k_pool_view = pool_view(k_pool), v_pool_view = pool_view(v_pool);
+  const bool fp8_pool = pd == DType::Float8E4M3FN, fp8_q = cfg.q_out_dtype == DType::Float8E4M3FN;
+  const float scale = float(BenchConfig::kScale);
+  // A written pool row (slot) against token t of an input set: q's dtype: bit-identical to
+  // k_out / v; fp8: v exactly e4m3(v / v_scale), k within one e4m3 step of e4m3(k_out /
+  // k_scale) (the kernel quantises the float32 rotated value that k_out rounds).
+  auto pool_row_ok = [&](const RopePoolTensors& tv, int64_t slot, int64_t t) {
+    for (int64_t h = 0; h < Hk; ++h)
+      for (int64_t d = 0; d < D; ++d) {
+        const void* kp = reference::pool_element(k_pool_view, cfg.kv_layout, slot, h, d);
+        const void* vp = reference::pool_element(v_pool_view, cfg.kv_layout, slot, h, d);
+        if (!fp8_pool) {
+          if (std::memcmp(kp, element(tv.k_out, t, h, d), es) ||
+              std::memcmp(vp, element(tv.v, t, h, d), es))
+            return false;
+          continue;
+        }
+        const uint8_t kb = *static_cast<const uint8_t*>(kp), vb = *static_cast<const uint8_t*>(vp);
+        if (vb != float_to_e4m3(float(load(tv.v, t, h, d)) / scale)) return false;
+        const uint8_t want = float_to_e4m3(float(load(tv.k_out, t, h, d)) / scale);
+        if (std::abs(e4m3_ordinal(kb) - e4m3_ordinal(want)) > 1) return false;
+      }
+    return true;
+  };
 
   std::vector<InputSet> sets(size_t(r.sets));
   Rng rng(counter_bits(cfg.seed, uint64_t(T) * 4 + 3));
@@ -179,7 +222,7 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
     in.q = std::make_unique<HostBuffer>("q", cfg.dtype, T * Hq * D, 0);
     in.k = std::make_unique<HostBuffer>("k", cfg.dtype, T * Hk * D, 0);
     in.v = std::make_unique<HostBuffer>("v", cfg.dtype, T * Hk * D, 0);
-    in.q_out = std::make_unique<HostBuffer>("q_out", cfg.dtype, T * Hq * D, 0);
+    in.q_out = std::make_unique<HostBuffer>("q_out", cfg.q_out_dtype, T * Hq * D, 0);
     in.k_out = std::make_unique<HostBuffer>("k_out", cfg.dtype, T * Hk * D, 0);
     in.positions = std::make_unique<HostBuffer>("positions", cfg.index_dtype, position_rows * T, 0);
     in.slots = std::make_unique<HostBuffer>("slots", cfg.index_dtype, T, 0);
@@ -250,7 +293,10 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
     how.threads = threads;
     how.norm_eps = p.norm_eps.value_or(1e-6);
     if (cfg.qk_norm) how.norm_weight = &q_norm_view;
-    r.q_check.merge(check_rotation("q_out", tv.q, tv.q_out, tv.positions, schedule, p.interleaved, how));
+    r.q_check.merge(fp8_q ? check_quantized("q_out", tv.q, tv.q_out, tv.positions, schedule,
+                                            p.interleaved, scale)
+                          : check_rotation("q_out", tv.q, tv.q_out, tv.positions, schedule,
+                                           p.interleaved, how));
     if (cfg.qk_norm) how.norm_weight = &k_norm_view;
     r.k_check.merge(check_rotation("k_out", tv.k, tv.k_out, tv.positions, schedule, p.interleaved, how));
     for (int64_t t = 0; t < T; ++t) {
@@ -258,8 +304,7 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
       if (slot < 0) continue;
       ++r.pool_rows_written;
       r.pool_check.elements += 2 * Hk * D;
-      if (!rows_identical(k_pool_view, slot, tv.k_out, t) ||
-          !rows_identical(v_pool_view, slot, tv.v, t))
+      if (!pool_row_ok(tv, slot, t))
         r.pool_check.fail(slot, [&] {
           return "set " + std::to_string(s) + ": pool row " + std::to_string(slot) +
                  " differs from k_out/v of token " + std::to_string(t);
@@ -291,24 +336,28 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
       const auto [s, t] = last_writer[size_t(row)];
       if (s >= 0) {
         const RopePoolTensors& tv = sets[size_t(s)].tensors;
-        if (!rows_identical(k_pool_view, row, tv.k_out, t) ||
-            !rows_identical(v_pool_view, row, tv.v, t))
+        if (!pool_row_ok(tv, row, t))
           local.fail(row, [&] {
             return "pool row " + std::to_string(row) + " no longer holds its last writer's rows";
           });
         continue;
       }
       local.elements += 2 * Hk * D;
-      for (int64_t i = row * Hk * D; i < (row + 1) * Hk * D; ++i) {
-        const bool k_same = holds_uniform(k_pool.data(), cfg.dtype, i, k_pool_seed, -4, 4);
-        const bool v_same = holds_uniform(v_pool.data(), cfg.dtype, i, v_pool_seed, -4, 4);
-        if (!k_same || !v_same) {
-          local.fail(row, [&] {
-            return "pool row " + std::to_string(row) + " was never a slot but changed";
-          });
-          break;
+      bool same = true;
+      for (int64_t h = 0; h < Hk && same; ++h)
+        for (int64_t d = 0; d < D && same; ++d) {
+          // the same element index in both pools (same layout)
+          const int64_t i = (static_cast<const uint8_t*>(reference::pool_element(
+                                 k_pool_view, cfg.kv_layout, row, h, d)) -
+                             k_pool.base()) /
+                            int64_t(pool_es);
+          same = holds_uniform(k_pool.data(), pd, i, k_pool_seed, -4, 4) &&
+                 holds_uniform(v_pool.data(), pd, i, v_pool_seed, -4, 4);
         }
-      }
+      if (!same)
+        local.fail(row, [&] {
+          return "pool row " + std::to_string(row) + " was never a slot but changed";
+        });
     }
     std::lock_guard lock(mu);
     r.pool_check.merge(local);
@@ -372,7 +421,10 @@ void write_json(const BenchConfig& cfg, const CopyResult& copy_before, const Cop
     << ",\n  \"threads\": " << cfg.threads << ",\n"
     << "  \"load_average_start\": " << load_at_start << ",\n  \"load_average_end\": " << load_at_end
     << ",\n"
-    << "  \"dtype\": \"" << dtype_name(cfg.dtype) << "\",\n  \"index_dtype\": \""
+    << "  \"dtype\": \"" << dtype_name(cfg.dtype) << "\",\n  \"pool_dtype\": \""
+    << dtype_name(cfg.pool_dtype) << "\",\n  \"q_out_dtype\": \"" << dtype_name(cfg.q_out_dtype)
+    << "\",\n  \"kv_layout\": \"" << kv_layout_name(cfg.kv_layout)
+    << "\",\n  \"page_size\": " << cfg.page_size << ",\n  \"index_dtype\": \""
     << dtype_name(cfg.index_dtype) << "\",\n  \"num_qo_heads\": " << p.num_qo_heads
     << ",\n  \"num_kv_heads\": " << p.num_kv_heads << ",\n  \"head_dim\": " << p.head_dim
     << ",\n  \"rope_base\": " << p.rope_base << ",\n"
@@ -416,8 +468,11 @@ max(65536, 4T) slots, distinct random slots with ~5% set to -1 (no pool write), 
 positions below 2^17. Small T rotate among many input sets so caches do not flatter.
 
 Reported per T: median call time with p10/p90, GB/s with
-  bytes = T*head_dim*elem_size*(2*num_qo_heads + 5*num_kv_heads) + T*(positions + slots)
-(q, k, v read; q_rot, k_rot, k_pool, v_pool rows written), and the ratio to the memcpy
+  bytes = T*head_dim*(es*(num_qo_heads + 3*num_kv_heads) + q_rot_es*num_qo_heads
+          + 2*pool_es*num_kv_heads) + T*(positions + slots)
+(q, k, v read; q_rot, k_rot, k_pool, v_pool rows written; each tensor at its element size:
+es = --dtype, pool_es = 1 with --pool-dtype fp8, q_rot_es = 1 with --q-out-dtype fp8; without
+them 2*num_qo_heads + 5*num_kv_heads rows of es), and the ratio to the memcpy
 bandwidth measured in the same run (a multithreaded memcpy of a buffer much larger than L3,
 over the same number of threads; bytes = read + written; median of several copies; measured
 before and after the op, the faster of the two counts). Progress goes to stderr, the table
@@ -435,6 +490,11 @@ options:
   --seconds S        timing budget per token count when --iters is not given (default 1)
   --copy-mib N       memcpy anchor buffer size in MiB (default 2 x L3, within 256..1024)
   --rotate-mib N     input bytes to rotate among for small T (default 2 x L3, within 256..1024)
+  --pool-dtype D     same (default: the pools in --dtype) or fp8 (float8_e4m3fn pools,
+                     k_scale = v_scale = 1/64; k rows checked within one e4m3 step)
+  --q-out-dtype D    same (default) or fp8 (float8_e4m3fn q_rot, q_scale = 1/64)
+  --kv-layout L      none (default: [P, Hk, D] pools), NHD or HND (paged, SPEC §6)
+  --page-size N      slots per page with --kv-layout NHD/HND (default 16)
   --num-qo-heads N, --num-kv-heads N, --head-dim N, --rope-base X
                      a different attention shape
   --qk-norm          SPEC §7: normalise every q and k head first (weights [head_dim] in the
@@ -450,6 +510,7 @@ options:
 int run_bench(Args& args) {
   BenchConfig cfg;
   cfg.threads = cpu_num_threads();
+  int64_t page_size_given = 0;
   while (!args.done()) {
     const std::string o = args.next_option();
     if (o == "-h" || o == "--help") {
@@ -490,10 +551,36 @@ int run_bench(Args& args) {
       cfg.seed = uint64_t(parse_int(o, args.value(o), 0));
     } else if (o == "--json") {
       cfg.json_path = args.value(o);
+    } else if (o == "--pool-dtype" || o == "--q-out-dtype") {
+      const std::string v = args.value(o);
+      DType d;
+      if (v == "same") d = DType::Other;
+      else if (v == "fp8" || v == "float8_e4m3fn") d = DType::Float8E4M3FN;
+      else throw UsageError{o + " must be same or fp8, got '" + v + "'"};
+      (o == "--pool-dtype" ? cfg.pool_dtype : cfg.q_out_dtype) = d;
+    } else if (o == "--kv-layout") {
+      const std::string v = args.value(o);
+      if (v == "none") cfg.kv_layout = KvLayout::None;
+      else if (v == "NHD") cfg.kv_layout = KvLayout::NHD;
+      else if (v == "HND") cfg.kv_layout = KvLayout::HND;
+      else throw UsageError{"--kv-layout must be none, NHD or HND, got '" + v + "'"};
+    } else if (o == "--page-size") {
+      page_size_given = parse_int(o, args.value(o), 1);
     } else {
       args.unknown(o);
     }
   }
+  if (page_size_given && cfg.kv_layout == KvLayout::None)
+    throw UsageError{"--page-size needs --kv-layout NHD or HND"};
+  if (cfg.qk_norm && (cfg.pool_dtype == DType::Float8E4M3FN || cfg.q_out_dtype == DType::Float8E4M3FN))
+    throw UsageError{"--qk-norm with fp8 pools or q_rot: the bench cannot verify that yet"};
+  if (cfg.kv_layout != KvLayout::None) cfg.page_size = page_size_given ? page_size_given : 16;
+  if (cfg.pool_dtype == DType::Other) cfg.pool_dtype = cfg.dtype;
+  if (cfg.q_out_dtype == DType::Other) cfg.q_out_dtype = cfg.dtype;
+  cfg.params.kv_layout = cfg.kv_layout;
+  if (cfg.pool_dtype == DType::Float8E4M3FN)
+    cfg.params.k_scale.value = cfg.params.v_scale.value = BenchConfig::kScale;
+  if (cfg.q_out_dtype == DType::Float8E4M3FN) cfg.params.q_scale.value = BenchConfig::kScale;
   set_cpu_num_threads(cfg.threads);
 
   const size_t l3 = l3_cache_bytes();
@@ -520,6 +607,11 @@ int run_bench(Args& args) {
       dtype_name(cfg.dtype), (long long)p.num_qo_heads, (long long)p.num_kv_heads,
       (long long)p.head_dim, p.rope_base, dtype_name(cfg.index_dtype),
       int(std::log2(double(cfg.max_position))), cfg.skip_fraction * 100);
+  std::printf("pools: %s, kv_layout %s, page_size %lld; q_rot %s%s\n", dtype_name(cfg.pool_dtype),
+              kv_layout_name(cfg.kv_layout), (long long)cfg.page_size, dtype_name(cfg.q_out_dtype),
+              cfg.pool_dtype == DType::Float8E4M3FN || cfg.q_out_dtype == DType::Float8E4M3FN
+                  ? "; fp8 scales 1/64"
+                  : "");
   if (cfg.qk_norm) std::printf("fusion: QK norm (rms, weights in %s)\n", dtype_name(cfg.dtype));
   if (cfg.mrope) {
     const std::vector<int64_t> sec = mrope_section_for(p.head_dim);

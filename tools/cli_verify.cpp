@@ -17,7 +17,7 @@
 namespace ropepool::cli {
 namespace {
 
-enum class VerifyLayout { Contiguous, FusedQkv, StackedPool };
+enum class VerifyLayout { Contiguous, FusedQkv, StackedPool, VllmCache, FlashInferCache };
 enum class Kind { Normal, SlotOutOfRange, DuplicateChecked, DuplicateUnchecked };
 
 const char* layout_name(VerifyLayout l) {
@@ -27,7 +27,11 @@ const char* layout_name(VerifyLayout l) {
     case VerifyLayout::FusedQkv:
       return "q/k/v views of a fused qkv [T, (Hq+2Hk)*D]";
     case VerifyLayout::StackedPool:
-      return "pools are layer 1 of [3, P, Hk, D]";
+      return "pools are layer 1 of a [3, ...] stack";
+    case VerifyLayout::VllmCache:
+      return "pools are the halves of a vLLM cache [2, pages, ...]";
+    case VerifyLayout::FlashInferCache:
+      return "pools are the halves of a FlashInfer cache [pages, 2, ...]";
   }
   return "?";
 }
@@ -58,17 +62,24 @@ struct VerifyCase {
   bool check_slots = false;
   int threads = 1;
   uint64_t seed = 0;
+  // SPEC §6
+  KvLayout kv_layout = KvLayout::None;
+  int64_t page_size = 1;
+  bool fp8_pool = false, fp8_q = false;
 
   std::string describe() const {
-    char buf[384];
+    char buf[640];
     std::snprintf(
         buf, sizeof buf,
         "%s D=%lld Hq=%lld Hk=%lld T=%lld, rotary_dim %lld, %s pairs, rope_scaling %s, "
-        "%s positions/slots, %s, check_slots=%d, %d thread(s), seed %llu%s",
+        "%s positions/slots, %s, kv_layout %s, page_size %lld, %s pools, %s q_rot, "
+        "check_slots=%d, %d thread(s), seed %llu%s",
         dtype_name(dtype), (long long)head_dim, (long long)num_qo_heads, (long long)num_kv_heads,
         (long long)tokens, (long long)(rotary_dim ? rotary_dim : head_dim),
         interleaved ? "interleaved" : "half-split", rope_type_name(scaling),
-        dtype_name(index_dtype), layout_name(layout), int(check_slots), threads,
+        dtype_name(index_dtype), layout_name(layout), kv_layout_name(kv_layout),
+        (long long)page_size, fp8_pool ? "float8_e4m3fn" : "q's dtype",
+        fp8_q ? "float8_e4m3fn" : "q's dtype", int(check_slots), threads,
         (unsigned long long)seed, kind_name(kind));
     return buf;
   }
@@ -109,15 +120,29 @@ std::string run_case(const VerifyCase& vc) {
   s.rotary_dim = vc.rotary_dim;
   s.interleaved = vc.interleaved;
   s.rope_scaling = scaling_preset(vc.scaling, vc.rotary_dim ? vc.rotary_dim : vc.head_dim);
+  s.kv_layout = vc.kv_layout;
+  s.page_size = vc.page_size;
+  if (vc.fp8_pool) {
+    s.pool_dtype = DType::Float8E4M3FN;
+    s.k_scale = 0.01 + rng.unit();
+    s.v_scale = 0.01 + rng.unit();
+    s.tensor_scales = rng.chance(0.5);
+  }
+  if (vc.fp8_q) {
+    s.q_out_dtype = DType::Float8E4M3FN;
+    s.q_scale = 0.01 + rng.unit();
+  }
   Layout layout;
   if (vc.layout == VerifyLayout::FusedQkv) layout.qkv = QkvLayout::Fused;
   if (vc.layout == VerifyLayout::StackedPool) layout.pool = PoolLayout::LayerOfStack;
+  if (vc.layout == VerifyLayout::VllmCache) layout.pool = PoolLayout::CombinedVllm;
+  if (vc.layout == VerifyLayout::FlashInferCache) layout.pool = PoolLayout::CombinedFlashInfer;
   Case c(s, layout);
   // Everything poisoned, random q/k/v, distinct slots with about a quarter negative.
   c.randomize(rng, 0.25);
   for (int64_t t = 0; t < T; ++t) c.set_position(t, pick_position(rng));
 
-  const int64_t P = s.pool_size;
+  const int64_t P = c.shape.pool_size;  // whole pages with kv_layout
   int64_t bad_token = -1;
   if (vc.kind == Kind::SlotOutOfRange) {
     bad_token = int64_t(rng.below(uint64_t(T)));
@@ -176,10 +201,14 @@ A quick randomized self-check of rope_pool_fused on the CPU against the float64 
 float32/float16/bfloat16 x head_dim 2, 64, 96, 128, 256 x (num_qo_heads, num_kv_heads)
 (1, 1), (4, 2), (32, 8) x T 0, 1, 7, 64, 300; positions near +-2^20, int32 and int64
 indices, negative slots, q/k/v as views of a fused qkv buffer, pools as a layer of a
-stacked cache, partial rotary_dim, interleaved pairs and every rope_scaling type on a
-share of the cases, several thread counts. Each case (the test kit's call contract): every
-q_rot/k_rot element within the SPEC §1 bound (reference::tolerance), written pool rows
-bit-identical to k_rot/v, every other byte of every buffer unchanged. Plus, per dtype: an out-of-range slot and a repeated
+stacked cache or the K/V halves of a vLLM / FlashInfer combined cache, partial rotary_dim,
+interleaved pairs and every rope_scaling type on a share of the cases, paged pools
+(kv_layout NHD/HND, page sizes 1, 5, 16, 64), float8_e4m3fn pools (float and tensor
+scales) and fp8 q_rot (SPEC §6), several thread counts. Each case (the test kit's call
+contract): every q_rot/k_rot element within the SPEC §1 bound (reference::tolerance),
+written pool rows bit-identical to k_rot/v (fp8: v bit-exact e4m3(v / v_scale), k and fp8
+q_rot within one e4m3 step of e4m3(exact / scale)), every other byte of every buffer
+unchanged. Plus, per dtype: an out-of-range slot and a repeated
 slot with check_slots must be rejected with nothing written; a repeated slot without it
 must leave one token's complete row.
 
@@ -236,8 +265,16 @@ int run_verify(Args& args) {
           c.num_kv_heads = Hk;
           c.tokens = T;
           c.index_dtype = rng.chance(0.5) ? DType::Int64 : DType::Int32;
-          c.layout = VerifyLayout(rng.below(3));
+          c.layout = VerifyLayout(rng.below(5));
           c.check_slots = rng.chance(0.5);
+          // SPEC §6 on a share of the cases: paged pools, fp8 pools, fp8 q_rot
+          if (rng.chance(0.5)) {
+            c.kv_layout = rng.chance(0.5) ? KvLayout::NHD : KvLayout::HND;
+            const int64_t sizes[] = {1, 5, 16, 64};
+            c.page_size = sizes[rng.below(4)];
+          }
+          c.fp8_pool = rng.chance(0.3);
+          c.fp8_q = rng.chance(0.2);
           // SPEC §4 extras on a share of the cases: partial rotary, GPT-J pairs
           if (D > 2 && rng.chance(0.25)) c.rotary_dim = 2 * rng.integer(1, D / 2 - 1);
           c.interleaved = rng.chance(0.25);
@@ -257,8 +294,13 @@ int run_verify(Args& args) {
       c.num_kv_heads = 2;
       c.tokens = 2 + int64_t(rng.below(40));
       c.index_dtype = rng.chance(0.5) ? DType::Int64 : DType::Int32;
-      c.layout = VerifyLayout(rng.below(3));
+      c.layout = VerifyLayout(rng.below(5));
       c.kind = kind;
+      if (rng.chance(0.5)) {
+        c.kv_layout = rng.chance(0.5) ? KvLayout::NHD : KvLayout::HND;
+        c.page_size = 16;
+      }
+      c.fp8_pool = rng.chance(0.5);
       c.check_slots =
           kind == Kind::DuplicateChecked || (kind == Kind::SlotOutOfRange && rng.chance(0.5));
       c.threads = next_threads();

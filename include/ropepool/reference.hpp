@@ -36,9 +36,17 @@ std::vector<double> normalize(const TensorView& x, const TensorView& weight, dou
 /// x's value rounded to `dtype` (double -> float -> 16-bit, as `store` does).
 double round_to(DType dtype, double x);
 
-/// The op computed from `normalize` (when params has norm weights) and `rotate`, each
-/// rotated element rounded once to the tensors' dtype.
-/// Same contract as ropepool::rope_pool_fused, CPU tensors only, no threading.
+/// Address of element (slot, head, d) of a pool: [P, Hk, D], or 4-D paged as `layout` says
+/// (SPEC §6: page slot / page_size, row slot % page_size).
+void* pool_element(const TensorView& pool, KvLayout layout, int64_t slot, int64_t h, int64_t d);
+/// A scale's value: the number, the tensor's float32 (CPU memory), or 1.0 when unset.
+float scale_value(const QuantScale& scale);
+
+/// The op computed from `normalize` (when params has norm weights, SPEC §7) and `rotate`,
+/// each element rounded once to the tensors' dtype (fp8 pools and q_rot: the exact value
+/// rounded to float32, divided by the scale in float32, then e4m3 by SPEC §6's rule). Same
+/// contract as ropepool::rope_pool_fused (kv_layout and scales included), CPU tensors only,
+/// no threading.
 void rope_pool_fused(const RopePoolTensors& tensors, const RopePoolParams& params);
 
 /// The accuracy bound of SPEC §1 for one element: one unit in the last place of `exact`

@@ -22,10 +22,35 @@ struct RopePoolTensors {
   TensorView v;          ///< [T, Hk, D], same dtype
   TensorView positions;  ///< [T], int32 or int64
   TensorView slots;      ///< [T], int32 or int64; negative = no pool write
-  TensorView k_pool;     ///< [P, Hk, D], updated in place
-  TensorView v_pool;     ///< [P, Hk, D], updated in place
-  TensorView q_out;      ///< [T, Hq, D], receives q_rot
-  TensorView k_out;      ///< [T, Hk, D], receives k_rot
+  /// [P, Hk, D] (or 4-D with RopePoolParams::kv_layout), q's dtype or float8_e4m3fn (both
+  /// pools); any strides with a contiguous last dimension; updated in place.
+  TensorView k_pool;
+  TensorView v_pool;     ///< as k_pool
+  /// [T, Hq, D], receives q_rot: q's dtype, or float8_e4m3fn (quantised with q_scale).
+  TensorView q_out;
+  TensorView k_out;      ///< [T, Hk, D], q's dtype, receives k_rot
+};
+
+/// How 4-D pools are laid out (SPEC §6); slot s is page s / page_size, row s % page_size.
+enum class KvLayout : uint8_t {
+  None,  ///< pools are [P, Hk, D]
+  NHD,   ///< pools are [pages, page_size, Hk, D]
+  HND,   ///< pools are [pages, Hk, page_size, D]
+};
+/// "none", "NHD", "HND".
+const char* kv_layout_name(KvLayout layout);
+/// "NHD" / "HND" (as FlashInfer spells them); anything else throws ropepool::Error.
+KvLayout parse_kv_layout(const std::string& name);
+
+/// A quantisation scale of SPEC §6 (fp8 pools, fp8 q_out): stored = e4m3(x / scale).
+/// Unset (the default: 1.0 where it is used), a number (rounded to float32; finite and > 0),
+/// or a one-element float32 tensor on the tensors' device, read when the kernel runs (so a
+/// CUDA graph sees its current value). Not both.
+struct QuantScale {
+  std::optional<double> value;
+  TensorView tensor;  ///< set when tensor.data != nullptr or tensor.ndim != 0
+  bool has_tensor() const { return tensor.data != nullptr || tensor.ndim != 0; }
+  bool given() const { return value.has_value() || has_tensor(); }
 };
 
 /// Keyword parameters of SPEC §1.
@@ -48,6 +73,11 @@ struct RopePoolParams {
   /// of rope_base/rope_scaling/inv_freq/attention_scaling. Its rotary_dim must match.
   const RopeSchedule* schedule = nullptr;
 
+  // SPEC §6 (all optional; the defaults give 3-D pools in q's dtype).
+  KvLayout kv_layout = KvLayout::None;  ///< 4-D paged pools (NHD / HND)
+  QuantScale k_scale;  ///< float8_e4m3fn pools only: k_pool stores e4m3(rotated k / k_scale)
+  QuantScale v_scale;  ///< float8_e4m3fn pools only: v_pool stores e4m3(v / v_scale)
+  QuantScale q_scale;  ///< float8_e4m3fn q_out only: q_out stores e4m3(rotated q / q_scale)
   // SPEC §7: per-head RMSNorm of q and/or k before RoPE (Qwen3, Gemma 3). Multimodal RoPE
   // is rope_scaling.mrope_section / mrope_interleaved (positions [3, T]).
   TensorView q_norm_weight;  ///< [head_dim], q's dtype or float32, on q's device; none = no q norm
@@ -57,7 +87,7 @@ struct RopePoolParams {
 };
 
 /// Which argument a shape in a message belongs to (for ShapeFormatter).
-enum class Arg : uint8_t { q, k, v, positions, slots, k_pool, v_pool, q_out, k_out };
+enum class Arg : uint8_t { q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, k_scale, v_scale, q_scale };
 
 /// Prints a tensor's shape the way the caller's framework does ("torch.Size([2, 8, 128])",
 /// "(2, 8, 128)"). The default prints "[2, 8, 128]".

@@ -86,11 +86,12 @@ inline ByteSpan byte_span(const TensorView& v) {
 }
 
 /// True when two views share at least one byte, decided exactly from data pointers,
-/// shapes, strides and element sizes (no memory is read). Exact for views of rank <= 3 whose
-/// last dimension is contiguous (what rope_pool_fused accepts); for others, overlapping
-/// byte spans count as overlap. Disjoint spans cost a few comparisons; otherwise the cost
-/// is bounded by the product of the two views' smaller dimensions times the smaller of
-/// their larger dimensions (one or two steps for real layouts such as fused QKV columns).
+/// shapes, strides and element sizes (no memory is read), for views of any rank (4-D paged
+/// pools included). Disjoint spans cost a few comparisons; otherwise the cost is bounded by
+/// the product of the extents of every dimension but the largest of each view (after
+/// merging the dimensions that form contiguous runs) times the smaller of the two largest
+/// extents (one or two steps for real layouts: fused QKV columns, a layer of a stacked
+/// cache, the K/V halves of vLLM's and FlashInfer's combined caches).
 bool views_overlap(const TensorView& a, const TensorView& b);
 
 /// "[2, 8, 128]": how the C++ API prints shapes in messages.

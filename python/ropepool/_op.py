@@ -7,10 +7,11 @@ CUDA stream, and returns the caller's own pool objects.
 
 from __future__ import annotations
 
+import numbers
 import sys
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
-from ropepool._schedule import RopeSchedule, _int, _real, _rotary_dim, rope_schedule
+from ropepool._schedule import RopeSchedule, _int, _is_bool, _real, _rotary_dim, rope_schedule
 
 from ropepool import _ropepool
 
@@ -46,6 +47,11 @@ def rope_pool_fused(
     schedule: Optional["RopeSchedule"] = None,
     inplace: bool = False,
     check_slots: bool = False,
+    kv_layout: Optional[str] = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
+    q_scale: Any = None,
+    q_out_dtype: Any = None,
     q_norm_weight: Any = None,
     k_norm_weight: Any = None,
     norm_eps: Optional[float] = None,
@@ -61,7 +67,10 @@ def rope_pool_fused(
         positions: ``[T]`` int32 or int64, the token positions.
         slots: ``[T]`` int32 or int64, the pool row of each token; a negative slot means
             "no pool write" for that token.
-        k_pool, v_pool: ``[P, num_kv_heads, head_dim]``, same dtype as q, updated in place.
+        k_pool, v_pool: ``[P, num_kv_heads, head_dim]`` (or 4-D with ``kv_layout``), same
+            dtype as q or both ``float8_e4m3fn``; any strides with a contiguous last
+            dimension (a layer of a stacked cache, the K/V halves of a combined cache);
+            updated in place.
         head_dim, num_qo_heads, num_kv_heads: the head geometry (checked against shapes).
         rope_base: the RoPE base (theta), finite and > 0.
         rotary_dim: rotate only the first ``rotary_dim`` elements of each head (even,
@@ -86,6 +95,17 @@ def rope_pool_fused(
         inplace: write q_rot/k_rot into q and k and return them as q_rot/k_rot.
         check_slots: also reject two tokens writing the same slot (otherwise the row ends
             up holding one of those tokens' complete rows).
+        kv_layout: ``"NHD"``: pools are ``[pages, page_size, num_kv_heads, head_dim]``;
+            ``"HND"``: ``[pages, num_kv_heads, page_size, head_dim]``; slot ``s`` is page
+            ``s // page_size``, row ``s % page_size``. None (default): 3-D pools.
+        k_scale, v_scale: float8_e4m3fn pools only: the pools store ``e4m3(x / scale)``
+            (vLLM's convention: value = stored * scale). A float (rounded to float32; finite
+            and > 0) or a one-element float32 tensor on the pools' device, read when the
+            kernel runs (a captured CUDA graph sees its current value). None: 1.0.
+        q_scale: with ``q_out_dtype``: q_rot is ``e4m3(rotated q / q_scale)``; as k_scale.
+        q_out_dtype: None (q_rot in q's dtype) or ``torch.float8_e4m3fn`` /
+            ``"float8_e4m3fn"`` (an fp8 q_rot for FP8 attention; torch tensors only; not with
+            ``inplace``). k_rot stays in q's dtype.
         q_norm_weight, k_norm_weight: SPEC §7's per-head RMSNorm before RoPE (Qwen3,
             Gemma 3): ``[head_dim]`` weights (q's dtype or float32, q's device), either or
             both; the pool receives the normalised, rotated k (v is never normalised).
@@ -120,22 +140,22 @@ def rope_pool_fused(
                        rope_scaling, max_position_embeddings, original_max_position_embeddings,
                        seq_len, inv_freq, attention_scaling, schedule, mrope_section,
                        mrope_interleaved)
-    norm_eps, norm_style = _norm_scalars(norm_eps, norm_style)
-    fusion = (q_norm_weight, k_norm_weight, norm_eps, norm_style, sched_section,
-              sched_interleaved)
+    fusion = _fusion_args(q_norm_weight, k_norm_weight, norm_eps, norm_style, sched_section,
+                          sched_interleaved)
     check_slots = bool(check_slots)
     interleaved = bool(interleaved)
     inplace = bool(inplace)
+    cache = _cache_args(kv_layout, k_scale, v_scale, q_scale, q_out_dtype, inplace)
 
     if all_torch:
-        if any(w is not None and not isinstance(w, torch.Tensor)
-               for w in (q_norm_weight, k_norm_weight)):
+        _check_torch_scales(cache)
+        if (fusion[0] is not None or fusion[1] is not None) and any(
+                w is not None and not isinstance(w, torch.Tensor) for w in fusion[:2]):
             raise TypeError("rope_pool_fused: q_norm_weight/k_norm_weight must be "
                             "torch.Tensors when the other arguments are")
         scalars = (head_dim, num_qo_heads, num_kv_heads, rope_base, check_slots, rotary_dim,
-                   interleaved, sched_freqs, sched_scale) + fusion
-        if _plain_eager(tensors) and _plain_eager(
-                tuple(w for w in (q_norm_weight, k_norm_weight) if w is not None)):
+                   interleaved, sched_freqs, sched_scale) + cache + fusion
+        if _plain_eager(tensors) and _plain_scales(cache) and _plain_weights(fusion):
             # Eager calls on plain tensors run the op's own kernel function directly: the
             # same code the dispatcher would reach, without its ~10 us of Python dispatch,
             # which is most of a decode step's host time.
@@ -150,14 +170,10 @@ def rope_pool_fused(
         # returned here, as the caller's own objects.
         if inplace:
             torch.ops.ropepool.rope_pool_fused_(
-                q, k, v, positions, slots, k_pool, v_pool, head_dim, num_qo_heads,
-                num_kv_heads, rope_base, check_slots, rotary_dim, interleaved, sched_freqs,
-                sched_scale, *fusion)
+                q, k, v, positions, slots, k_pool, v_pool, *scalars)
             return q, k, k_pool, v_pool
         q_rot, k_rot = torch.ops.ropepool.rope_pool_fused(
-            q, k, v, positions, slots, k_pool, v_pool, head_dim, num_qo_heads, num_kv_heads,
-            rope_base, check_slots, rotary_dim, interleaved, sched_freqs, sched_scale, *fusion,
-        )
+            q, k, v, positions, slots, k_pool, v_pool, *scalars)
         return q_rot, k_rot, k_pool, v_pool
     if torch is not None and any(isinstance(t, torch.Tensor) for t in tensors):
         name, t = next((name, t) for name, t in zip(_TENSOR_ARGS, tensors)
@@ -167,6 +183,9 @@ def rope_pool_fused(
             "torch.Tensors; pass every array as a torch.Tensor"
         )
 
+    if cache[-1]:
+        raise ValueError("rope_pool_fused: q_out_dtype=float8_e4m3fn needs torch tensors "
+                         "(NumPy cannot export float8 through DLPack)")
     q_rot = q if inplace else _new_array_output(q, "q")
     k_rot = k if inplace else _new_array_output(k, "k")
     _ropepool.rope_pool_fused_into(
@@ -174,7 +193,8 @@ def rope_pool_fused(
         head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         rope_base=rope_base, check_slots=check_slots, stream=0, rotary_dim=rotary_dim,
         interleaved=interleaved, schedule_inv_freq=sched_freqs,
-        schedule_attention_scaling=sched_scale, **_fusion_kwargs(fusion),
+        schedule_attention_scaling=sched_scale, **_cache_kwargs(cache),
+        **_fusion_kwargs(fusion),
     )
     return q_rot, k_rot, k_pool, v_pool
 
@@ -199,13 +219,81 @@ def _refuse_immutable_arrays(tensors) -> None:
                 "that framework's arrays")
 
 
+_FP8_NAMES = ("float8_e4m3fn",)
+
+
+_NO_CACHE = (None, None, None, None, None, None, None, False)
+
+
+def _cache_args(kv_layout, k_scale, v_scale, q_scale, q_out_dtype, inplace):
+    """SPEC §6 keywords as the core and the torch op schema take them: (kv_layout,
+    k_scale_tensor, k_scale, v_scale_tensor, v_scale, q_scale_tensor, q_scale, q_fp8). The
+    core validates the values; here only Python types are told apart."""
+    if kv_layout is None and k_scale is None and v_scale is None and q_scale is None \
+            and q_out_dtype is None:
+        return _NO_CACHE  # the common call: no per-call work here
+    if kv_layout is not None and not isinstance(kv_layout, str):
+        raise TypeError("rope_pool_fused: kv_layout must be None, \"NHD\" or \"HND\", got "
+                        f"{type(kv_layout).__name__}")
+    out = [kv_layout]
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale), ("q_scale", q_scale)):
+        if scale is None:
+            out += [None, None]
+        elif _is_bool(scale):
+            raise TypeError(f"rope_pool_fused: {name} must be a float or a one-element float32 "
+                            "tensor, got bool")
+        elif isinstance(scale, numbers.Real):
+            out += [None, float(scale)]
+        elif hasattr(scale, "shape") or hasattr(scale, "__dlpack__"):
+            out += [scale, None]
+        else:
+            raise TypeError(f"rope_pool_fused: {name} must be a float or a one-element float32 "
+                            f"tensor, got {type(scale).__name__}")
+    if q_out_dtype is None:
+        q_fp8 = False
+    elif q_out_dtype in _FP8_NAMES or (torch is not None and q_out_dtype is torch.float8_e4m3fn):
+        q_fp8 = True
+    else:
+        raise ValueError("rope_pool_fused: q_out_dtype must be None or float8_e4m3fn "
+                         f"(torch.float8_e4m3fn or \"float8_e4m3fn\"), got {q_out_dtype!r}")
+    if q_fp8 and inplace:
+        raise ValueError("rope_pool_fused: q_out_dtype=float8_e4m3fn cannot be combined with "
+                         "inplace=True (q_rot would be written into q, of q's dtype)")
+    out.append(q_fp8)
+    return tuple(out)
+
+
+def _cache_kwargs(cache):
+    if cache[0] is None and all(x is None for x in cache[1:7]):
+        return {}
+    kv_layout, kt, kf, vt, vf, qt, qf, _ = cache
+    return dict(kv_layout=kv_layout, k_scale_tensor=kt, k_scale=kf, v_scale_tensor=vt,
+                v_scale=vf, q_scale_tensor=qt, q_scale=qf)
+
+
 _SCHEDULE_KEYWORDS = ("rope_scaling", "inv_freq", "attention_scaling", "max_position_embeddings",
                       "original_max_position_embeddings", "seq_len", "mrope_section",
                       "mrope_interleaved")
 
 
+# SPEC §7 keywords as the core and the torch op schema take them: (q_norm_weight,
+# k_norm_weight, norm_eps, norm_style, mrope_section, mrope_interleaved).
+_NO_FUSION = (None, None, None, None, None, False)
+
+
+def _fusion_args(q_norm_weight, k_norm_weight, norm_eps, norm_style, section, interleaved):
+    if q_norm_weight is None and k_norm_weight is None and norm_eps is None \
+            and norm_style is None and section is None:
+        return _NO_FUSION  # the common call: no per-call work here
+    norm_eps, norm_style = _norm_scalars(norm_eps, norm_style)
+    return (q_norm_weight, k_norm_weight, norm_eps, norm_style, section, interleaved)
+
+
 def _fusion_kwargs(fusion):
-    """SPEC §7's keywords as the binding takes them."""
+    """SPEC §7's keywords as the binding takes them (none for a call without them: each
+    keyword costs the binding's argument parsing)."""
+    if fusion is _NO_FUSION:
+        return {}
     q_w, k_w, eps, style, section, interleaved = fusion
     return dict(q_norm_weight=q_w, k_norm_weight=k_w, norm_eps=eps, norm_style=style,
                 mrope_section=section, mrope_interleaved=interleaved)
@@ -307,6 +395,11 @@ def validate_rope_pool(
     schedule: Optional["RopeSchedule"] = None,
     inplace: bool = False,
     check_slots: bool = False,
+    kv_layout: Optional[str] = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
+    q_scale: Any = None,
+    q_out_dtype: Any = None,
     q_norm_weight: Any = None,
     k_norm_weight: Any = None,
     norm_eps: Optional[float] = None,
@@ -329,14 +422,19 @@ def validate_rope_pool(
                        rope_scaling, max_position_embeddings, original_max_position_embeddings,
                        seq_len, inv_freq, attention_scaling, schedule, mrope_section,
                        mrope_interleaved)
-    norm_eps, norm_style = _norm_scalars(norm_eps, norm_style)
-    fusion = (q_norm_weight, k_norm_weight, norm_eps, norm_style, sched_section,
-              sched_interleaved)
+    fusion = _fusion_args(q_norm_weight, k_norm_weight, norm_eps, norm_style, sched_section,
+                          sched_interleaved)
+    cache = _cache_args(kv_layout, k_scale, v_scale, q_scale, q_out_dtype, bool(inplace))
     is_torch = torch is not None and all(isinstance(t, torch.Tensor) for t in tensors)
+    if is_torch:
+        _check_torch_scales(cache)
+    elif cache[-1]:
+        raise ValueError("rope_pool_fused: q_out_dtype=float8_e4m3fn needs torch tensors "
+                         "(NumPy cannot export float8 through DLPack)")
     if inplace:
         q_rot, k_rot = q, k
     elif is_torch:
-        q_rot, k_rot = _new_torch_output(q), _new_torch_output(k)
+        q_rot, k_rot = _new_q_rot(q, cache[-1]), _new_torch_output(k)
     else:
         q_rot, k_rot = _new_array_output(q, "q"), _new_array_output(k, "k")
     _ropepool.rope_pool_fused_into(
@@ -344,8 +442,9 @@ def validate_rope_pool(
         head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         rope_base=rope_base, check_slots=bool(check_slots), stream=0, rotary_dim=rotary_dim,
         interleaved=bool(interleaved), schedule_inv_freq=sched_freqs,
-        schedule_attention_scaling=sched_scale, validate_only=True, **_fusion_kwargs(fusion),
-        exporter=_to_dlpack if is_torch else None)
+        schedule_attention_scaling=sched_scale, validate_only=True,
+        exporter=_to_dlpack if is_torch else None, **_cache_kwargs(cache),
+        **_fusion_kwargs(fusion))
 
 
 def _new_array_output(x: Any, name: str) -> Any:
@@ -381,6 +480,30 @@ if torch is not None:
         """q_rot/k_rot: uninitialised, contiguous, q's dtype and device."""
         return torch.empty_like(x, memory_format=torch.contiguous_format)  # 2x torch.empty's speed
 
+    def _new_q_rot(q: "torch.Tensor", fp8: bool) -> "torch.Tensor":
+        """q_rot in q's dtype, or float8_e4m3fn (SPEC §6)."""
+        if fp8:
+            return torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
+        return _new_torch_output(q)
+
+    def _check_torch_scales(cache) -> None:
+        if cache[1] is None and cache[3] is None and cache[5] is None:
+            return  # (`is` on tuples is not traceable by torch.compile)
+        for name, t in (("k_scale", cache[1]), ("v_scale", cache[3]), ("q_scale", cache[5])):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"rope_pool_fused: {name} must be a float or a one-element "
+                                f"float32 torch.Tensor, got {type(t).__name__}")
+
+    def _plain_weights(fusion) -> bool:
+        if fusion[0] is None and fusion[1] is None:
+            return True
+        return all(w is None or type(w) is torch.Tensor for w in fusion[:2])
+
+    def _plain_scales(cache) -> bool:
+        if cache[1] is None and cache[3] is None and cache[5] is None:
+            return True
+        return all(t is None or type(t) is torch.Tensor for t in (cache[1], cache[3], cache[5]))
+
     # The op is defined with torch.library's low-level API rather than the
     # @torch.library.custom_op decorator: the schema says the same thing (k_pool and v_pool
     # mutated in place: `Tensor(a!)`), torch.compile treats both alike, but the decorator's
@@ -390,9 +513,14 @@ if torch is not None:
     # The schedule travels as plain numbers (inv_freq as float64 values, or None for the
     # default schedule of rope_base), which the schema can carry and torch.compile can bake
     # into a graph; `rope_pool_fused_` is the in-place variant (q and k mutated too).
+    # SPEC §6: kv_layout, each scale as (Tensor?, float?) (a tensor is read when the kernel
+    # runs, so a captured graph sees its current value), q_fp8 for a float8_e4m3fn q_rot.
     _SCHEMA_TAIL = ("int head_dim, int num_qo_heads, int num_kv_heads, float rope_base, "
                     "bool check_slots=False, int rotary_dim=0, bool interleaved=False, "
                     "float[]? inv_freq=None, float attention_scaling=1.0, "
+                    "str? kv_layout=None, Tensor? k_scale_tensor=None, float? k_scale=None, "
+                    "Tensor? v_scale_tensor=None, float? v_scale=None, "
+                    "Tensor? q_scale_tensor=None, float? q_scale=None, bool q_fp8=False, "
                     "Tensor? q_norm_weight=None, Tensor? k_norm_weight=None, "
                     "float? norm_eps=None, str? norm_style=None, int[]? mrope_section=None, "
                     "bool mrope_interleaved=False)")
@@ -413,7 +541,9 @@ if torch is not None:
 
     def _run(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, head_dim,
              num_qo_heads, num_kv_heads, rope_base, check_slots=False, rotary_dim=0,
-             interleaved=False, inv_freq=None, attention_scaling=1.0, q_norm_weight=None,
+             interleaved=False, inv_freq=None, attention_scaling=1.0, kv_layout=None,
+             k_scale_tensor=None, k_scale=None, v_scale_tensor=None, v_scale=None,
+             q_scale_tensor=None, q_scale=None, q_fp8=False, q_norm_weight=None,
              k_norm_weight=None, norm_eps=None, norm_style=None, mrope_section=None,
              mrope_interleaved=False):
         # (the dispatcher leaves trailing schema defaults out of the call)
@@ -421,9 +551,18 @@ if torch is not None:
         kwargs = dict(head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                       rope_base=rope_base, check_slots=check_slots, exporter=_to_dlpack,
                       rotary_dim=rotary_dim, interleaved=interleaved,
-                      schedule_inv_freq=inv_freq, schedule_attention_scaling=attention_scaling,
-                      **_fusion_kwargs((q_norm_weight, k_norm_weight, norm_eps, norm_style,
-                                        mrope_section, mrope_interleaved)))
+                      schedule_inv_freq=inv_freq, schedule_attention_scaling=attention_scaling)
+        if kv_layout is not None or k_scale_tensor is not None or k_scale is not None \
+                or v_scale_tensor is not None or v_scale is not None \
+                or q_scale_tensor is not None or q_scale is not None:
+            # (left out otherwise: each keyword costs the binding's argument parsing)
+            kwargs.update(kv_layout=kv_layout, k_scale_tensor=k_scale_tensor, k_scale=k_scale,
+                          v_scale_tensor=v_scale_tensor, v_scale=v_scale,
+                          q_scale_tensor=q_scale_tensor, q_scale=q_scale)
+        if q_norm_weight is not None or k_norm_weight is not None or norm_eps is not None \
+                or norm_style is not None or mrope_section is not None or mrope_interleaved:
+            kwargs.update(_fusion_kwargs((q_norm_weight, k_norm_weight, norm_eps, norm_style,
+                                          mrope_section, mrope_interleaved)))
         if q.is_cuda:
             # The kernel runs on torch's current stream of q's device, like any torch op
             # (and so inside CUDA-graph capture).
@@ -448,17 +587,25 @@ if torch is not None:
                 return False
         return not _is_compiling() and _dispatch_mode() is None
 
-    def _rope_pool_fused_kernel(q, k, v, positions, slots, k_pool, v_pool, *scalars):
-        q_rot = _new_torch_output(q)
+    def _q_fp8(scalars, kwargs) -> bool:
+        # q_fp8 is the schema's last argument (index 16 of the scalars); the dispatcher may
+        # pass it by keyword or leave it out (default False)
+        if "q_fp8" in kwargs:
+            return bool(kwargs["q_fp8"])
+        return bool(scalars[16]) if len(scalars) > 16 else False
+
+    def _rope_pool_fused_kernel(q, k, v, positions, slots, k_pool, v_pool, *scalars, **kwargs):
+        q_rot = _new_q_rot(q, _q_fp8(scalars, kwargs))
         k_rot = _new_torch_output(k)
-        _run(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, *scalars)
+        _run(q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, *scalars, **kwargs)
         # What the decorator's ADInplaceOrView layer would do: tell autograd the pools were
         # written in place (a no-op for inference-mode tensors, which have no version).
         _increment_version((k_pool, v_pool))
         return q_rot, k_rot
 
-    def _rope_pool_fused_inplace_kernel(q, k, v, positions, slots, k_pool, v_pool, *scalars):
-        _run(q, k, v, positions, slots, k_pool, v_pool, q, k, *scalars)
+    def _rope_pool_fused_inplace_kernel(q, k, v, positions, slots, k_pool, v_pool, *scalars,
+                                        **kwargs):
+        _run(q, k, v, positions, slots, k_pool, v_pool, q, k, *scalars, **kwargs)
         _increment_version((q, k, k_pool, v_pool))
 
     # One kernel for every backend key (CPU, CUDA, ...): the C++ side dispatches on the
@@ -467,10 +614,11 @@ if torch is not None:
     _LIB.impl("rope_pool_fused_", _rope_pool_fused_inplace_kernel, "CompositeExplicitAutograd")
 
     @torch.library.register_fake("ropepool::rope_pool_fused_", lib=_LIB)
-    def _rope_pool_fused_inplace_fake(q, k, v, positions, slots, k_pool, v_pool, *scalars):
+    def _rope_pool_fused_inplace_fake(q, k, v, positions, slots, k_pool, v_pool, *scalars,
+                                      **kwargs):
         return None
 
     @torch.library.register_fake("ropepool::rope_pool_fused", lib=_LIB)
-    def _rope_pool_fused_fake(q, k, v, positions, slots, k_pool, v_pool, *scalars):
-        return (torch.empty_like(q, memory_format=torch.contiguous_format),
+    def _rope_pool_fused_fake(q, k, v, positions, slots, k_pool, v_pool, *scalars, **kwargs):
+        return (_new_q_rot(q, _q_fp8(scalars, kwargs)),
                 torch.empty_like(k, memory_format=torch.contiguous_format))

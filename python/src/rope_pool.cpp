@@ -36,8 +36,9 @@ namespace {
 using ReadArray = nb::ndarray<nb::ro>;
 using WriteArray = nb::ndarray<>;
 
-constexpr std::array<const char*, 9> kArgNames = {"q",      "k",      "v",     "positions", "slots",
-                                                  "k_pool", "v_pool", "q_out", "k_out"};
+constexpr std::array<const char*, 12> kArgNames = {
+    "q",     "k",     "v",       "positions", "slots",   "k_pool",
+    "v_pool", "q_out", "k_out", "k_scale",   "v_scale", "q_scale"};
 
 // Every DLPack dtype gets its name, so that a message says "got float64", not "other".
 DType to_dtype(nb::dlpack::dtype dt) {
@@ -162,6 +163,10 @@ Array import_array(nb::handle obj, const char* name, bool writable, nb::handle e
                                 ? "; NumPy cannot export bfloat16 (ml_dtypes): pass a torch "
                                   "tensor, e.g. torch.from_numpy(x.view(numpy.uint16))"
                                   ".view(torch.bfloat16)"
+                            : dtype.find("float8") != std::string::npos
+                                ? "; NumPy cannot export float8 (ml_dtypes) through DLPack: pass "
+                                  "torch tensors, e.g. torch.from_numpy(x.view(numpy.uint8))"
+                                  ".view(torch.float8_e4m3fn)"
                                 : ""))
                               .c_str());
   }
@@ -195,12 +200,17 @@ void rope_pool_fused_into(nb::handle q, nb::handle k, nb::handle v, nb::handle p
                           int64_t rotary_dim, bool interleaved,
                           std::optional<std::vector<double>> schedule_inv_freq,
                           double schedule_attention_scaling, bool validate_only,
-                          nb::handle q_norm_weight, nb::handle k_norm_weight,
-                          std::optional<double> norm_eps, std::optional<std::string> norm_style,
+                          std::optional<std::string> kv_layout, std::optional<double> k_scale,
+                          nb::handle k_scale_tensor, std::optional<double> v_scale,
+                          nb::handle v_scale_tensor, std::optional<double> q_scale,
+                          nb::handle q_scale_tensor, nb::handle q_norm_weight,
+                          nb::handle k_norm_weight, std::optional<double> norm_eps,
+                          std::optional<std::string> norm_style,
                           std::optional<std::vector<int64_t>> mrope_section,
                           bool mrope_interleaved) {
-  const std::array<nb::handle, 9> objects = {q, k, v, positions, slots, k_pool, v_pool,
-                                             q_out, k_out};
+  const std::array<nb::handle, 12> objects = {q,     k,     v,              positions,
+                                              slots, k_pool, v_pool,        q_out,
+                                              k_out, k_scale_tensor, v_scale_tensor, q_scale_tensor};
   // The imported arrays hold references to the producers' buffers for the whole call.
   const std::array<ReadArray, 5> inputs = {
       import_array<ReadArray>(q, kArgNames[0], false, exporter),
@@ -213,6 +223,13 @@ void rope_pool_fused_into(nb::handle q, nb::handle k, nb::handle v, nb::handle p
       import_array<WriteArray>(v_pool, kArgNames[6], true, exporter),
       import_array<WriteArray>(q_out, kArgNames[7], true, exporter),
       import_array<WriteArray>(k_out, kArgNames[8], true, exporter)};
+
+  // SPEC §6 scales: a number, or a one-element tensor read when the kernel runs.
+  std::array<ReadArray, 3> scale_arrays;
+  const std::array<nb::handle, 3> scale_objects = {k_scale_tensor, v_scale_tensor, q_scale_tensor};
+  for (size_t i = 0; i < 3; ++i)
+    if (!scale_objects[i].is_none())
+      scale_arrays[i] = import_array<ReadArray>(scale_objects[i], kArgNames[9 + i], false, exporter);
 
   RopePoolTensors tensors;
   tensors.q = to_view(inputs[0]);
@@ -232,6 +249,15 @@ void rope_pool_fused_into(nb::handle q, nb::handle k, nb::handle v, nb::handle p
   params.rope_base = rope_base;
   params.rotary_dim = rotary_dim;
   params.interleaved = interleaved;
+  if (kv_layout) params.kv_layout = parse_kv_layout(*kv_layout);
+  {
+    QuantScale* scales[3] = {&params.k_scale, &params.v_scale, &params.q_scale};
+    const std::optional<double> values[3] = {k_scale, v_scale, q_scale};
+    for (size_t i = 0; i < 3; ++i) {
+      scales[i]->value = values[i];
+      if (!scale_objects[i].is_none()) scales[i]->tensor = to_view(scale_arrays[i]);
+    }
+  }
   RopeSchedule schedule;
   if (schedule_inv_freq) {
     // The schedule's own rotary_dim (2 entries per frequency), not the call's: a mismatch
@@ -371,6 +397,9 @@ void init_rope_pool(nb::module_& m) {
         "check_slots"_a = false, "stream"_a = 0, "exporter"_a = nb::none(),
         "rotary_dim"_a = 0, "interleaved"_a = false, "schedule_inv_freq"_a = nb::none(),
         "schedule_attention_scaling"_a = 1.0, "validate_only"_a = false,
+        "kv_layout"_a = nb::none(), "k_scale"_a = nb::none(), "k_scale_tensor"_a = nb::none(),
+        "v_scale"_a = nb::none(), "v_scale_tensor"_a = nb::none(), "q_scale"_a = nb::none(),
+        "q_scale_tensor"_a = nb::none(),
         "q_norm_weight"_a = nb::none(), "k_norm_weight"_a = nb::none(),
         "norm_eps"_a = nb::none(), "norm_style"_a = nb::none(), "mrope_section"_a = nb::none(),
         "mrope_interleaved"_a = false,
@@ -381,6 +410,10 @@ void init_rope_pool(nb::module_& m) {
                 "stream: int = 0, exporter: object = None, rotary_dim: int = 0, "
                 "interleaved: bool = False, schedule_inv_freq: list[float] | None = None, "
                 "schedule_attention_scaling: float = 1.0, validate_only: bool = False, "
+                "kv_layout: str | None = None, k_scale: float | None = None, "
+                "k_scale_tensor: object = None, v_scale: float | None = None, "
+                "v_scale_tensor: object = None, q_scale: float | None = None, "
+                "q_scale_tensor: object = None, "
                 "q_norm_weight: object = None, k_norm_weight: object = None, "
                 "norm_eps: float | None = None, norm_style: str | None = None, "
                 "mrope_section: list[int] | None = None, mrope_interleaved: bool = False) -> None"),
@@ -393,9 +426,12 @@ stream); the caller must have made the arrays' device current. `exporter(x)`, if
 returns a DLPack capsule for x (a faster route than x.__dlpack__()); messages still print
 shapes from the objects themselves. `schedule_inv_freq`/`schedule_attention_scaling`, when
 given, are a precomputed schedule (from rope_schedule) for rotary_dim; q_out/k_out may be
-q/k themselves (in-place rotation); `mrope_section`/`mrope_interleaved` belong to that
-schedule (SPEC §7), and `q_norm_weight`, `k_norm_weight`, `norm_eps`, `norm_style` are
-SPEC §7's norm keywords. With `validate_only`, only the validation runs
+q/k themselves (in-place rotation); q_out may be float8_e4m3fn (fp8 q_rot, SPEC §6).
+`kv_layout` ("NHD" / "HND") takes 4-D paged pools; `k_scale`/`v_scale`/`q_scale` are numbers
+and `*_scale_tensor` one-element float32 arrays read when the kernel runs (one of the two
+per scale). `mrope_section`/`mrope_interleaved` belong to the schedule (SPEC §7), and
+`q_norm_weight`, `k_norm_weight`, `norm_eps`, `norm_style` are SPEC §7's norm keywords.
+With `validate_only`, only the validation runs
 (validate_rope_pool): the same errors, nothing written. Raises ValueError with the
 SPEC §2 messages (extra help in the exception's notes) and RuntimeError for backend
 failures. Most callers want `ropepool.rope_pool_fused`.)doc");

@@ -20,6 +20,7 @@
 #define HWY_TARGET_INCLUDE "../src/cpu/kernel_hwy.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -477,7 +478,185 @@ HWY_INLINE void NormRow(const typename E::T* x, typename E::T* y, const float* H
   }
 }
 
+// ---- float8 e4m3fn pools and q_rot (SPEC §6) ------------------------------------------------
+//
+// Stored element = e4m3(x / scale): the division in float32, then round to nearest even,
+// magnitudes beyond 448 (infinities included) saturate to +-448, NaN stays NaN. This is
+// ropepool::float_to_e4m3 in vector form, on the float32 bits: a normal result (|x| >= 2^-6)
+// rebiases the exponent (127 -> 7) and rounds 23 -> 3 mantissa bits by adding 0x7ffff plus
+// the lowest kept bit (a carry into the exponent is the correct next binade); a subnormal
+// result is |x| * 2^9 rounded to an integer (exact scaling, the conversion rounds to nearest
+// even; 8 is the code of the smallest normal, 2^-6, so rounding up into it is right too).
+using DU8 = hn::Rebind<uint8_t, DF>;  // one byte per float lane
+
+HWY_INLINE hn::Vec<DU8> ToE4M3(DF df, VF x) {
+  const hn::RebindToUnsigned<DF> du32;
+  const hn::RebindToSigned<DF> di32;
+  const auto u = hn::BitCast(du32, x);
+  const auto sign = hn::And(hn::ShiftRight<24>(u), hn::Set(du32, 0x80u));
+  const auto abs = hn::And(u, hn::Set(du32, 0x7fffffffu));
+  const auto abs_i = hn::BitCast(di32, abs);
+  auto w = hn::Sub(abs, hn::Set(du32, 0x3c000000u));  // exponent bias 127 -> 7
+  w = hn::Add(w, hn::Add(hn::Set(du32, 0x7ffffu), hn::And(hn::ShiftRight<20>(w), hn::Set(du32, 1u))));
+  auto e = hn::ShiftRight<20>(w);
+  const auto sub =
+      hn::BitCast(du32, hn::NearestInt(hn::Mul(hn::BitCast(df, abs), hn::Set(df, 512.0f))));
+  e = hn::IfThenElse(hn::RebindMask(du32, hn::Lt(abs_i, hn::Set(di32, 0x3c800000))), sub, e);
+  e = hn::IfThenElse(hn::RebindMask(du32, hn::Gt(abs_i, hn::Set(di32, 0x43e00000))),
+                     hn::Set(du32, 0x7eu), e);  // beyond 448, infinities included: +-448
+  e = hn::IfThenElse(hn::RebindMask(du32, hn::Gt(abs_i, hn::Set(di32, 0x7f800000))),
+                     hn::Set(du32, 0x7fu), e);  // NaN
+  // every lane is a byte value: truncation (DemoteTo's saturation would cost a few ops more)
+  return hn::U8FromU32(hn::Or(e, sign));
+}
+
+// The division by a scale, as SPEC §6 says (float32, IEEE). When 1/scale is exact in
+// float32 (a power-of-two scale, vLLM's default 1.0 among them), x * (1/scale) is the same
+// real number as x / scale, so it rounds to the same float: a multiply instead of a divide,
+// which costs about as much as the whole rest of the quantisation.
+struct Divisor {
+  float scale = 1.0f, reciprocal = 1.0f;
+  bool exact_reciprocal = true;
+  explicit Divisor(float s) : scale(s), reciprocal(1.0f / s) {
+    exact_reciprocal = std::isfinite(reciprocal) && reciprocal != 0.0f &&
+                       (float_bits(s) & 0x7fffffu) == 0 && (float_bits(s) & 0x7f800000u) != 0;
+  }
+};
+
+// out[i] = e4m3(in[i] / scale) for a float32 row (the rotated values) or, with E, a row of
+// q's dtype (v).
 template <class E>
+HWY_INLINE void QuantizeRow(const typename E::T* in, uint8_t* out, int64_t n, const Divisor& d) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  if (d.exact_reciprocal) {
+    const VF r = hn::Set(df, d.reciprocal);
+    for (; i + N <= n; i += N) hn::StoreU(ToE4M3(df, hn::Mul(E::load(df, in + i), r)), DU8(), out + i);
+  } else {
+    const VF s = hn::Set(df, d.scale);
+    for (; i + N <= n; i += N) hn::StoreU(ToE4M3(df, hn::Div(E::load(df, in + i), s)), DU8(), out + i);
+  }
+  for (; i < n; ++i) out[i] = float_to_e4m3(E::scalar_load(in[i]) / d.scale);
+}
+
+// One head rotated into float32 (before rounding to q's dtype): f[0, R) rotated with the
+// same float32 operations as RotateRow / RotateRowInterleaved, f[R, D) the input as read.
+template <class E>
+HWY_INLINE void RotateRowToFloat(const typename E::T* x, float* HWY_RESTRICT f,
+                                 const float* HWY_RESTRICT cos_t, const float* HWY_RESTRICT sin_t,
+                                 const float* HWY_RESTRICT cos_il, const float* HWY_RESTRICT sin_il,
+                                 int64_t rotary_dim, int64_t head_dim, bool interleaved) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  if (interleaved) {
+#if HWY_TARGET != HWY_SCALAR
+    for (; i + N <= rotary_dim; i += N) {
+      const VF v = E::load(df, x + i);
+      hn::StoreU(hn::MulAdd(v, hn::LoadU(df, cos_il + i),
+                            hn::Mul(hn::Reverse2(df, v), hn::LoadU(df, sin_il + i))),
+                 df, f + i);
+    }
+#endif
+    for (; i < rotary_dim; i += 2) {
+      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + 1]);
+      const float c = cos_il[i], s = sin_il[i + 1];
+      f[i] = a * c - b * s;
+      f[i + 1] = a * s + b * c;
+    }
+  } else {
+    const int64_t half = rotary_dim / 2;
+    for (; i + N <= half; i += N) {
+      const VF a = E::load(df, x + i), b = E::load(df, x + half + i);
+      const VF c = hn::LoadU(df, cos_t + i), s = hn::LoadU(df, sin_t + i);
+      hn::StoreU(hn::MulSub(a, c, hn::Mul(b, s)), df, f + i);
+      hn::StoreU(hn::MulAdd(a, s, hn::Mul(b, c)), df, f + half + i);
+    }
+    for (; i < half; ++i) {
+      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + half]);
+      f[i] = a * cos_t[i] - b * sin_t[i];
+      f[i + half] = a * sin_t[i] + b * cos_t[i];
+    }
+  }
+  i = rotary_dim;
+  for (; i + N <= head_dim; i += N) hn::StoreU(E::load(df, x + i), df, f + i);
+  for (; i < head_dim; ++i) f[i] = E::scalar_load(x[i]);
+}
+
+// A float32 row rounded once to q's dtype.
+template <class E>
+HWY_INLINE void DemoteRowTo(const float* f, typename E::T* out, int64_t n) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  for (; i + N <= n; i += N) StoreVec<E>(df, hn::LoadU(df, f + i), out + i, false);
+  for (; i < n; ++i) out[i] = E::scalar_store(f[i]);
+}
+
+HWY_INLINE float ScaleValue(const Scale& s) { return s.ptr ? *s.ptr : s.value; }
+
+// A kv slot's address in a pool of element size `elem` (SPEC §6 paging; 3-D pools are
+// page_size 1).
+HWY_INLINE char* PoolRow(const PoolRows& r, int64_t page, int64_t row, int64_t head, size_t elem) {
+  return static_cast<char*>(r.data) +
+         (page * r.page_stride + row * r.row_stride + head * r.head_stride) * int64_t(elem);
+}
+
+// x / scale with the Divisor's choice of operation (see Divisor).
+HWY_INLINE VF Scaled(DF df, VF x, const Divisor& d) {
+  return d.exact_reciprocal ? hn::Mul(x, hn::Set(df, d.reciprocal)) : hn::Div(x, hn::Set(df, d.scale));
+}
+
+// One head rotated and quantised straight to e4m3 (fp8 q_rot): the rotation of
+// RotateRowToFloat, each vector divided by the scale and converted without a float32 row in
+// between; the pass-through elements quantised as read.
+template <class E>
+HWY_INLINE void RotateRowToE4M3(const typename E::T* x, uint8_t* out, const float* HWY_RESTRICT cos_t,
+                                const float* HWY_RESTRICT sin_t, const float* HWY_RESTRICT cos_il,
+                                const float* HWY_RESTRICT sin_il, int64_t rotary_dim,
+                                int64_t head_dim, bool interleaved, const Divisor& d) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  if (interleaved) {
+#if HWY_TARGET != HWY_SCALAR
+    for (; i + N <= rotary_dim; i += N) {
+      const VF v = E::load(df, x + i);
+      const VF r = hn::MulAdd(v, hn::LoadU(df, cos_il + i),
+                              hn::Mul(hn::Reverse2(df, v), hn::LoadU(df, sin_il + i)));
+      hn::StoreU(ToE4M3(df, Scaled(df, r, d)), DU8(), out + i);
+    }
+#endif
+    for (; i < rotary_dim; i += 2) {
+      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + 1]);
+      const float c = cos_il[i], s = sin_il[i + 1];
+      out[i] = float_to_e4m3((a * c - b * s) / d.scale);
+      out[i + 1] = float_to_e4m3((a * s + b * c) / d.scale);
+    }
+  } else {
+    const int64_t half = rotary_dim / 2;
+    for (; i + N <= half; i += N) {
+      const VF a = E::load(df, x + i), b = E::load(df, x + half + i);
+      const VF c = hn::LoadU(df, cos_t + i), s = hn::LoadU(df, sin_t + i);
+      hn::StoreU(ToE4M3(df, Scaled(df, hn::MulSub(a, c, hn::Mul(b, s)), d)), DU8(), out + i);
+      hn::StoreU(ToE4M3(df, Scaled(df, hn::MulAdd(a, s, hn::Mul(b, c)), d)), DU8(), out + half + i);
+    }
+    for (; i < half; ++i) {
+      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + half]);
+      out[i] = float_to_e4m3((a * cos_t[i] - b * sin_t[i]) / d.scale);
+      out[i + half] = float_to_e4m3((a * sin_t[i] + b * cos_t[i]) / d.scale);
+    }
+  }
+  if (rotary_dim < head_dim) QuantizeRow<E>(x + rotary_dim, out + rotary_dim, head_dim - rotary_dim, d);
+}
+
+// kQuant: an fp8 pool and/or an fp8 q_rot (SPEC §6). Heads whose outputs are all in q's
+// dtype take the plain path; a k head with fp8 pools is rotated into a float32 row that is
+// rounded to q's dtype (k_rot: the plain path's bits) and quantised (the pool row); an fp8
+// q_rot head is rotated and quantised in one pass. Scale tensors are read here, when the
+// kernel runs.
+template <class E, bool kQuant>
 void RunBlockT(const CallPlan& plan, const Block& block) {
   using T = typename E::T;
   constexpr bool kBF16 = std::is_same_v<E, BFloat16> && kEvenOddBF16;
@@ -542,12 +721,35 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
   const bool dup_tables = p.interleaved && !kBF16;
   const float scale = static_cast<float>(p.attention_scaling);
   const bool stream = plan.stream_stores;
+  // kQuant: tables in plain order, interleaved ones duplicated (the bf16 paths keep their
+  // own), and one float32 row.
+  float *cos_p = cos_t, *sin_p = sin_t, *cos_pil = cos_il, *sin_pil = sin_il;
+  thread_local std::vector<float> plain_table, rotated;
+  bool fp8_pool = false, fp8_q = false;
+  Divisor k_div(1.0f), v_div(1.0f), q_div(1.0f);
+  if constexpr (kQuant) {
+    fp8_pool = p.pool_dtype == DType::Float8E4M3FN;
+    fp8_q = p.q_out_dtype == DType::Float8E4M3FN;
+    k_div = Divisor(ScaleValue(p.k_scale));
+    v_div = Divisor(ScaleValue(p.v_scale));
+    q_div = Divisor(ScaleValue(p.q_scale));
+    if (rotated.size() < size_t(D)) rotated.resize(size_t(D));
+    if (kBF16) {
+      if (plain_table.size() < size_t(6 * n)) plain_table.resize(size_t(6 * n));
+      cos_p = plain_table.data();
+      sin_p = cos_p + n;
+      cos_pil = sin_p + n;
+      sin_pil = cos_pil + 2 * n;
+    }
+  }
   auto row = [](const Rows& r, int64_t index, int64_t head) {
     return static_cast<T*>(r.data) + index * r.row_stride + head * r.head_stride;
   };
-  auto pool_row = [](const PoolRows& r, int64_t slot, int64_t head) {  // 3-D pools: page_size 1
-    return static_cast<T*>(r.data) + slot * r.page_stride + head * r.head_stride;
+  auto pool_row = [](const PoolRows& r, int64_t page, int64_t page_row, int64_t head) {
+    return static_cast<T*>(r.data) + page * r.page_stride + page_row * r.row_stride +
+           head * r.head_stride;
   };
+  const int64_t page_size = p.page_size;
   for (int64_t t = block.token_begin; t < block.token_end; ++t) {
     if (axis_of) {
       const double pos3[3] = {double(pos_rows[0][t]), double(pos_rows[1][t]),
@@ -561,6 +763,24 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
         cos_il[2 * i] = cos_il[2 * i + 1] = cos_t[i];
         sin_il[2 * i] = -sin_t[i];
         sin_il[2 * i + 1] = sin_t[i];
+      }
+    }
+    if constexpr (kQuant && kBF16) {
+      if (p.interleaved) {  // the bf16 GPT-J path reads cos_t/sin_t in plain order
+        for (int64_t i = 0; i < n; ++i) {
+          cos_pil[2 * i] = cos_pil[2 * i + 1] = cos_t[i];
+          sin_pil[2 * i] = -sin_t[i];
+          sin_pil[2 * i + 1] = sin_t[i];
+        }
+      } else {  // undo PermuteForBF16 (cheaper than a second table)
+        const int64_t N = static_cast<int64_t>(hn::Lanes(DF())), half = R / 2;
+        int64_t i = 0;
+        for (; i + 2 * N <= half; i += 2 * N)
+          for (int64_t j = 0; j < N; ++j) {
+            cos_p[i + 2 * j] = cos_t[i + j], cos_p[i + 2 * j + 1] = cos_t[i + N + j];
+            sin_p[i + 2 * j] = sin_t[i + j], sin_p[i + 2 * j + 1] = sin_t[i + N + j];
+          }
+        for (; i < half; ++i) cos_p[i] = cos_t[i], sin_p[i] = sin_t[i];
       }
     }
     auto rotate = [&](const T* x, T* out, T* out2) {
@@ -587,18 +807,43 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
       NormRow<E>(x, normed.data(), norm_w.data() + which * D, p.norm_eps, D, p.norm_gemma);
       return normed.data();
     };
+    // SPEC §6 paging (3-D pools: page_size 1, no division)
+    int64_t page = slot, page_row = 0;
+    if (page_size != 1 && slot >= 0) {
+      page = slot / page_size;
+      page_row = slot - page * page_size;
+    }
     for (int64_t h = block.head_begin; h < block.head_end; ++h) {
       if (h < Hq) {
-        const T* x = row(p.q, t, h);
-        rotate(q_norm ? norm(x, 0) : x, row(p.q_out, t, h), nullptr);
+        const T* x = q_norm ? norm(row(p.q, t, h), 0) : row(p.q, t, h);
+        if (kQuant && fp8_q)
+          RotateRowToE4M3<E>(x,
+                             static_cast<uint8_t*>(p.q_out.data) + t * p.q_out.row_stride +
+                                 h * p.q_out.head_stride,
+                             cos_p, sin_p, cos_pil, sin_pil, R, D, p.interleaved, q_div);
+        else
+          rotate(x, row(p.q_out, t, h), nullptr);
         continue;
       }
       const int64_t kv = h - Hq;
-      const T* x = row(p.k, t, kv);
-      rotate(k_norm ? norm(x, 1) : x, row(p.k_out, t, kv),
-             slot >= 0 ? pool_row(p.k_pool, slot, kv) : nullptr);
+      const T* x = k_norm ? norm(row(p.k, t, kv), 1) : row(p.k, t, kv);
+      if (kQuant && fp8_pool) {
+        float* f = rotated.data();
+        RotateRowToFloat<E>(x, f, cos_p, sin_p, cos_pil, sin_pil, R, D, p.interleaved);
+        DemoteRowTo<E>(f, row(p.k_out, t, kv), D);
+        if (slot >= 0) {
+          QuantizeRow<Float32>(f, reinterpret_cast<uint8_t*>(PoolRow(p.k_pool, page, page_row, kv, 1)),
+                               D, k_div);
+          QuantizeRow<E>(row(p.v, t, kv),
+                         reinterpret_cast<uint8_t*>(PoolRow(p.v_pool, page, page_row, kv, 1)), D, v_div);
+        }
+        continue;
+      }
+      rotate(x, row(p.k_out, t, kv),
+             slot >= 0 ? pool_row(p.k_pool, page, page_row, kv) : nullptr);
       if (slot >= 0)
-        CopyBytes(pool_row(p.v_pool, slot, kv), row(p.v, t, kv), size_t(D) * sizeof(T), stream);
+        CopyBytes(pool_row(p.v_pool, page, page_row, kv), row(p.v, t, kv), size_t(D) * sizeof(T),
+                  stream);
     }
   }
   // Non-temporal stores are weakly ordered: fence before this thread reports completion.
@@ -606,10 +851,19 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
 }
 
 void RunBlock(const CallPlan& plan, const Block& block) {
+  if (plan.problem->pool_dtype == DType::Float8E4M3FN ||
+      plan.problem->q_out_dtype == DType::Float8E4M3FN) {
+    switch (plan.problem->dtype) {
+      case DType::Float32: return RunBlockT<Float32, true>(plan, block);
+      case DType::Float16: return RunBlockT<Float16, true>(plan, block);
+      case DType::BFloat16: return RunBlockT<BFloat16, true>(plan, block);
+      default: return;
+    }
+  }
   switch (plan.problem->dtype) {
-    case DType::Float32: return RunBlockT<Float32>(plan, block);
-    case DType::Float16: return RunBlockT<Float16>(plan, block);
-    case DType::BFloat16: return RunBlockT<BFloat16>(plan, block);
+    case DType::Float32: return RunBlockT<Float32, false>(plan, block);
+    case DType::Float16: return RunBlockT<Float16, false>(plan, block);
+    case DType::BFloat16: return RunBlockT<BFloat16, false>(plan, block);
     default: return;
   }
 }
@@ -653,6 +907,11 @@ void DemoteRow(DType dtype, const float* in, void* out, int64_t n) {
   }
 }
 
+// The kernels' float32 -> e4m3 quantisation (x / scale), exposed for tests.
+void QuantizeE4M3Row(const float* in, uint8_t* out, int64_t n, float scale) {
+  QuantizeRow<Float32>(in, out, n, Divisor(scale));
+}
+
 void PromoteRow(DType dtype, const void* in, float* out, int64_t n) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
@@ -683,6 +942,11 @@ HWY_EXPORT(RunBlock);
 HWY_EXPORT(SinCosTable);
 HWY_EXPORT(DemoteRow);
 HWY_EXPORT(PromoteRow);
+HWY_EXPORT(QuantizeE4M3Row);
+
+void quantize_e4m3_row_hwy(const float* in, uint8_t* out, int64_t n, float scale) {
+  HWY_DYNAMIC_DISPATCH(QuantizeE4M3Row)(in, out, n, scale);
+}
 
 void run_block_hwy(const CallPlan& plan, const Block& block) {
   HWY_DYNAMIC_DISPATCH(RunBlock)(plan, block);

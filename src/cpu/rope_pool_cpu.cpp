@@ -109,8 +109,11 @@ void rope_pool_cpu(const RopePoolProblem& p) {
   plan.table_size = table_size;
   auto* run_block = run_block_hwy;
 
-  const int64_t bytes = T * p.head_dim * int64_t(dtype_size(p.dtype)) *
-                        (2 * p.num_qo_heads + 5 * p.num_kv_heads);
+  // Each tensor at its own element size (fp8 pools and q_rot: one byte).
+  const int64_t es = int64_t(dtype_size(p.dtype)), pool_es = int64_t(dtype_size(p.pool_dtype)),
+                q_out_es = int64_t(dtype_size(p.q_out_dtype));
+  const int64_t bytes = T * p.head_dim *
+                        ((es + q_out_es) * p.num_qo_heads + (3 * es + 2 * pool_es) * p.num_kv_heads);
   plan.stream_stores = stream_min_bytes() >= 0 && bytes >= stream_min_bytes();
   const int threads = int(std::clamp<int64_t>(bytes / parallel_min_bytes(), 1,
                                              std::max(1, cpu_num_threads())));

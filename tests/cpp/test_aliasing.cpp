@@ -35,11 +35,12 @@ RandomView random_view(std::mt19937_64& rng, unsigned char* arena) {
   RandomView r;
   TensorView& v = r.view;
   v.dtype = dtype;
-  v.ndim = int(pick(1, 3));
+  // Ranks up to 5 (4-D paged pools, 5-D combined caches); exact for any strides.
+  v.ndim = int(pick(1, 5));
   for (int d = 0; d < v.ndim; ++d) {
-    v.shape[d] = pick(0, 10) == 0 ? 1 : pick(1, 6);
-    // Exactness holds for rank <= 2 with any strides and rank 3 with a unit last stride.
-    const bool unit = v.ndim == 3 && d == 2;
+    v.shape[d] = pick(0, 10) == 0 ? 1 : pick(1, v.ndim >= 4 ? 4 : 6);
+    // Mostly a unit last stride (what the op accepts), sometimes any.
+    const bool unit = v.ndim >= 3 && d == v.ndim - 1 && pick(0, 3) != 0;
     int64_t s = unit ? (pick(0, 5) == 0 ? -1 : 1) : pick(-40, 40);
     if (!unit && pick(0, 6) == 0) s = 0;  // broadcast
     v.strides[d] = s;
@@ -57,7 +58,7 @@ RandomView random_view(std::mt19937_64& rng, unsigned char* arena) {
   if (pick(0, 3) != 0) start -= start % es;
   v.data = arena + start - lo * es;
   r.bytes.assign(size_t(kArena), false);
-  int64_t idx[3] = {0, 0, 0};
+  int64_t idx[5] = {0, 0, 0, 0, 0};
   const int64_t n = v.numel();
   for (int64_t flat = 0; flat < n; ++flat) {
     int64_t rem = flat, off = 0;

@@ -9,6 +9,13 @@
 //   DemoteIsExhaustive      float32 -> float16/bfloat16 of every float32 bit pattern (in
 //                           shards, so ctest spreads them over the cores), and every 16-bit
 //                           pattern widened back.
+//   E4M3OnEveryBoundary     the vector float32 -> e4m3fn quantisation (x / scale, SPEC §6)
+//                           against ropepool::float_to_e4m3: every rounding boundary of every
+//                           code (midpoints and their float32 neighbours), saturation, NaN,
+//                           subnormals, with several scales, and every 256th float32 pattern.
+//   CachesMatchReference    paged (NHD/HND, page sizes 1, 5, 16) and combined-cache pools,
+//                           fp8 pools and fp8 q_rot, 1-3 threads: the test kit's whole-call
+//                           contract.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "test_targets.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -327,6 +334,95 @@ void demote_is_exhaustive(const char* target, int shard) {
   }
 }
 
+void e4m3_on_every_boundary(const char* target) {
+  ASSERT_STREQ(detail::cpu::hwy_target_name(), target);
+  std::vector<float> in;
+  for (int code = 0; code < 0x7e; ++code) {
+    const float lo = e4m3_to_float(uint8_t(code)), hi = e4m3_to_float(uint8_t(code + 1));
+    const float mid = lo + (hi - lo) / 2;  // exact in float32
+    float below = mid, above = mid;
+    for (int i = 0; i < 3; ++i) {
+      below = std::nextafter(below, 0.0f), above = std::nextafter(above, 1e9f);
+      for (float x : {below, above}) in.push_back(x), in.push_back(-x);
+    }
+    for (float x : {lo, mid, hi}) in.push_back(x), in.push_back(-x);
+  }
+  for (float x : {448.0f, 449.0f, 463.99f, 464.0f, 465.0f, 480.0f, 1e6f, 3.4e38f, INFINITY,
+                  -INFINITY, NAN, -NAN, 0.0f, -0.0f, 1e-45f, 1e-30f, 0x1p-10f, 0x1p-9f, 0x1p-6f,
+                  std::nextafter(0x1p-6f, 0.0f), 0x1.ep-7f, 0x1.fp-7f})
+    in.push_back(x), in.push_back(-x);
+  in.push_back(bits_float(0x7f800001u));  // signalling NaN
+  in.push_back(bits_float(0xffc00123u));
+  std::vector<uint8_t> out(in.size());
+  int64_t bad = 0;
+  for (float scale : {1.0f, 0.3f, 3.0f, 1.0f / 448.0f, 0x1p-20f, 1e20f}) {
+    std::vector<float> pre(in.size());
+    for (size_t i = 0; i < in.size(); ++i) pre[i] = in[i] * scale;  // x / scale near the boundary
+    detail::cpu::quantize_e4m3_row_hwy(pre.data(), out.data(), int64_t(pre.size()), scale);
+    for (size_t i = 0; i < pre.size(); ++i)
+      if (out[i] != float_to_e4m3(pre[i] / scale) && ++bad <= 5)
+        ADD_FAILURE() << "e4m3(" << pre[i] << " / " << scale << ") = 0x" << std::hex << int(out[i])
+                      << ", want 0x" << int(float_to_e4m3(pre[i] / scale));
+  }
+  // every 256th float32 pattern (every exponent, sign and NaN class), offset so all low bits vary
+  std::vector<float> sweep(1 << 16);
+  out.resize(sweep.size());
+  for (uint64_t base = 0; base < (uint64_t(1) << 32); base += uint64_t(sweep.size()) * 256) {
+    for (size_t i = 0; i < sweep.size(); ++i)
+      sweep[i] = bits_float(uint32_t(base + i * 256 + (i * 37) % 256));
+    detail::cpu::quantize_e4m3_row_hwy(sweep.data(), out.data(), int64_t(sweep.size()), 1.0f);
+    for (size_t i = 0; i < sweep.size(); ++i)
+      if (out[i] != float_to_e4m3(sweep[i]) && ++bad <= 5)
+        ADD_FAILURE() << "e4m3 of bits 0x" << std::hex << float_bits(sweep[i]) << " = 0x"
+                      << int(out[i]) << ", want 0x" << int(float_to_e4m3(sweep[i]));
+  }
+  EXPECT_EQ(bad, 0);
+}
+
+void caches_match_reference(const char* target) {
+  ASSERT_STREQ(detail::cpu::hwy_target_name(), target);
+  Rng rng(fresh_seed());
+  SCOPED_TRACE("seed " + std::to_string(rng.seed()) + " (replay: ROPEPOOL_TEST_SEED)");
+  const int saved_threads = cpu_num_threads();
+  for (int threads : {1, 3}) {
+    set_cpu_num_threads(threads);
+    detail::cpu::set_parallel_min_bytes(threads == 1 ? 1 << 20 : 1);
+    for (DType dt : {DType::Float32, DType::Float16, DType::BFloat16})
+      for (KvLayout layout : {KvLayout::None, KvLayout::NHD, KvLayout::HND})
+        for (int64_t page_size : {1, 5, 16})
+          for (int fp8 = 0; fp8 < 4; ++fp8) {  // bit 0: fp8 pools, bit 1: fp8 q_rot
+            if (layout == KvLayout::None && page_size != 1) continue;
+            Shape s;
+            s.dtype = dt;
+            s.num_tokens = 45;
+            s.num_qo_heads = 3;
+            s.num_kv_heads = 2;
+            s.head_dim = 40;
+            s.rotary_dim = fp8 == 3 ? 24 : 0;
+            s.interleaved = fp8 == 2;
+            s.pool_size = 70;
+            s.kv_layout = layout;
+            s.page_size = page_size;
+            if (fp8 & 1) s.pool_dtype = DType::Float8E4M3FN, s.k_scale = 0.02, s.v_scale = 0.7;
+            if (fp8 & 2) s.q_out_dtype = DType::Float8E4M3FN, s.q_scale = 0.013;
+            s.tensor_scales = page_size == 5;
+            Case c(s, Layout{QkvLayout::Padded,
+                             page_size == 16 ? PoolLayout::CombinedFlashInfer : PoolLayout::CombinedVllm,
+                             OutLayout::Padded, IndexLayout::Strided});
+            c.randomize(rng);
+            const Snapshot before = c.snapshot();
+            ASSERT_NO_THROW(rope_pool_fused(c.tensors, c.params));
+            for (const std::string& problem : check_call(c, before))
+              ADD_FAILURE() << target << " threads " << threads << " " << dtype_name(dt) << " "
+                            << kv_layout_name(layout) << " page_size " << page_size << " fp8 " << fp8
+                            << ": " << problem;
+            if (::testing::Test::HasFailure()) return;
+          }
+  }
+  set_cpu_num_threads(saved_threads);
+  detail::cpu::set_parallel_min_bytes(1 << 20);
+}
+
 }  // namespace
 }  // namespace ropepool::test
 
@@ -338,6 +434,8 @@ namespace ropepool::test::HWY_NAMESPACE {
 
 void KernelMatchesReference() { kernel_matches_reference(hwy::TargetName(HWY_TARGET)); }
 void DemoteIsExhaustive(int shard) { demote_is_exhaustive(hwy::TargetName(HWY_TARGET), shard); }
+void E4M3OnEveryBoundary() { e4m3_on_every_boundary(hwy::TargetName(HWY_TARGET)); }
+void CachesMatchReference() { caches_match_reference(hwy::TargetName(HWY_TARGET)); }
 
 }  // namespace ropepool::test::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
@@ -349,6 +447,8 @@ namespace ropepool::test {
 
 HWY_BEFORE_TEST(CpuTarget);
 HWY_EXPORT_AND_TEST_P(CpuTarget, KernelMatchesReference);
+HWY_EXPORT_AND_TEST_P(CpuTarget, E4M3OnEveryBoundary);
+HWY_EXPORT_AND_TEST_P(CpuTarget, CachesMatchReference);
 
 class CpuTargetShard : public hwy::TestWithParamTargetAndT<int> {};
 HWY_TARGET_INSTANTIATE_TEST_SUITE_P_T(CpuTargetShard, ::testing::Range(0, kDemoteShards));

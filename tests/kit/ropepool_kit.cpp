@@ -214,9 +214,10 @@ namespace {
 uint32_t uniform_bits(DType dtype, uint64_t seed, int64_t i, double lo, double hi) {
   const double u = lo + (hi - lo) * (double(counter_bits(seed, uint64_t(i)) >> 11) * 0x1p-53);
   const float f = float(u);
-  return dtype == DType::Float32   ? float_bits(f)
-         : dtype == DType::Float16 ? float_to_half(f)
-                                   : float_to_bf16(f);
+  return dtype == DType::Float32        ? float_bits(f)
+         : dtype == DType::Float16      ? float_to_half(f)
+         : dtype == DType::Float8E4M3FN ? float_to_e4m3(f)
+                                        : float_to_bf16(f);
 }
 
 }  // namespace
@@ -344,9 +345,14 @@ const char* name(QkvLayout l) {
   return l == QkvLayout::Contiguous ? "qkv_dense" : l == QkvLayout::Fused ? "qkv_fused" : "qkv_padded";
 }
 const char* name(PoolLayout l) {
-  return l == PoolLayout::Contiguous     ? "pool_dense"
-         : l == PoolLayout::LayerOfStack ? "pool_layer"
-                                         : "pool_head_major";
+  switch (l) {
+    case PoolLayout::Contiguous: return "pool_dense";
+    case PoolLayout::LayerOfStack: return "pool_layer";
+    case PoolLayout::HeadMajor: return "pool_head_major";
+    case PoolLayout::CombinedVllm: return "pool_vllm";
+    case PoolLayout::CombinedFlashInfer: return "pool_flashinfer";
+  }
+  return "?";
 }
 const char* name(OutLayout l) { return l == OutLayout::Contiguous ? "out_dense" : "out_padded"; }
 const char* name(IndexLayout l) {
@@ -387,9 +393,16 @@ RopeScaling scaling_preset(RopeType type, int64_t rotary_dim) {
   return s;
 }
 
-Case::Case(const Shape& s, const Layout& l) : shape(s), layout(l) {
+Case::Case(const Shape& s0, const Layout& l) : shape(s0), layout(l) {
+  Shape& s = shape;
+  if (s.pool_dtype == DType::Other) s.pool_dtype = s.dtype;
+  if (s.q_out_dtype == DType::Other) s.q_out_dtype = s.dtype;
+  const bool paged = s.kv_layout != KvLayout::None;
+  if (!paged) s.page_size = 1;
+  const int64_t pages = paged ? (s.pool_size + s.page_size - 1) / s.page_size : s.pool_size;
+  if (paged) s.pool_size = pages * s.page_size;
   const int64_t T = s.num_tokens, Hq = s.num_qo_heads, Hk = s.num_kv_heads, D = s.head_dim,
-                P = s.pool_size, slack = l.tail_slack;
+                P = s.pool_size, ps = s.page_size, slack = l.tail_slack;
   params.head_dim = D;
   params.num_qo_heads = Hq;
   params.num_kv_heads = Hk;
@@ -397,6 +410,18 @@ Case::Case(const Shape& s, const Layout& l) : shape(s), layout(l) {
   params.rotary_dim = s.rotary_dim;
   params.interleaved = s.interleaved;
   params.rope_scaling = s.rope_scaling;
+  params.kv_layout = s.kv_layout;
+  for (auto [value, scale, n] : {std::tuple{s.k_scale, &params.k_scale, "k_scale"},
+                                 {s.v_scale, &params.v_scale, "v_scale"},
+                                 {s.q_scale, &params.q_scale, "q_scale"}}) {
+    if (value == 0) continue;
+    if (!s.tensor_scales) {
+      scale->value = value;
+      continue;
+    }
+    scale->tensor = own(n, DType::Float32, 1 + slack).contiguous({1});
+    *static_cast<float*>(scale->tensor.data) = static_cast<float>(value);
+  }
 
   // q, k, v
   switch (l.qkv) {
@@ -443,36 +468,65 @@ Case::Case(const Shape& s, const Layout& l) : shape(s), layout(l) {
     tensors.slots = own("slots", s.slot_dtype, 3 * T + slack).view({T}, {3}, 2);
   }
 
-  // pools
-  for (const char* n : {"k_pool", "v_pool"}) {
-    TensorView pool;
-    switch (l.pool) {
-      case PoolLayout::Contiguous:
-        pool = own(n, s.dtype, P * Hk * D + slack).contiguous({P, Hk, D});
-        break;
-      case PoolLayout::LayerOfStack: {
-        // Layer 1 of a [3, P, Hk, D] stacked cache; layers 0 and 2 must stay untouched.
-        auto& b = own(n, s.dtype, 3 * P * Hk * D + slack);
-        pool = b.view({P, Hk, D}, {Hk * D, D, 1}, P * Hk * D);
-        break;
-      }
-      case PoolLayout::HeadMajor: {
-        // Storage [Hk, P, D] seen as [P, Hk, D].
-        pool = own(n, s.dtype, Hk * P * D + slack).view({P, Hk, D}, {D, P * D, 1}, 0);
-        break;
-      }
+  // pools: the shape of one pool, its row-major strides, and the other head/row order
+  std::vector<int64_t> g, g_strides, other_strides;
+  switch (s.kv_layout) {
+    case KvLayout::None:
+      g = {P, Hk, D}, g_strides = {Hk * D, D, 1};
+      other_strides = {D, P * D, 1};  // storage [Hk, P, D]
+      break;
+    case KvLayout::NHD:
+      g = {pages, ps, Hk, D}, g_strides = {ps * Hk * D, Hk * D, D, 1};
+      other_strides = {ps * Hk * D, D, ps * D, 1};  // storage [pages, Hk, ps, D]
+      break;
+    case KvLayout::HND:
+      g = {pages, Hk, ps, D}, g_strides = {Hk * ps * D, ps * D, D, 1};
+      other_strides = {Hk * ps * D, D, Hk * D, 1};  // storage [pages, ps, Hk, D]
+      break;
+  }
+  const int64_t pool_elems = P * Hk * D, page_elems = ps * Hk * D;
+  const DType pd = s.pool_dtype;
+  if (l.pool == PoolLayout::CombinedVllm || l.pool == PoolLayout::CombinedFlashInfer) {
+    auto& b = own("kv_cache", pd, 2 * pool_elems + slack);
+    if (l.pool == PoolLayout::CombinedVllm) {
+      // [2, pages, ...]: kv_cache[0], kv_cache[1]
+      tensors.k_pool = b.strided(g, g_strides, 0);
+      tensors.v_pool = b.strided(g, g_strides, pool_elems);
+    } else {
+      // [pages, 2, ...]: kv_cache[:, 0], kv_cache[:, 1] (3-D: [P, 2, Hk, D])
+      std::vector<int64_t> st = g_strides;
+      st[0] = 2 * (paged ? page_elems : Hk * D);
+      tensors.k_pool = b.strided(g, st, 0);
+      tensors.v_pool = b.strided(g, st, paged ? page_elems : Hk * D);
     }
-    (n[0] == 'k' ? tensors.k_pool : tensors.v_pool) = pool;
+  } else {
+    for (const char* n : {"k_pool", "v_pool"}) {
+      TensorView pool;
+      switch (l.pool) {
+        case PoolLayout::LayerOfStack:
+          // Layer 1 of a [3, ...] stacked cache; layers 0 and 2 must stay untouched.
+          pool = own(n, pd, 3 * pool_elems + slack).strided(g, g_strides, pool_elems);
+          break;
+        case PoolLayout::HeadMajor:
+          pool = own(n, pd, pool_elems + slack).strided(g, other_strides, 0);
+          break;
+        default:
+          pool = own(n, pd, pool_elems + slack).strided(g, g_strides, 0);
+          break;
+      }
+      (n[0] == 'k' ? tensors.k_pool : tensors.v_pool) = pool;
+    }
   }
 
   // outputs
   if (l.out == OutLayout::Contiguous) {
-    tensors.q_out = own("q_out", s.dtype, T * Hq * D + slack).contiguous({T, Hq, D});
+    tensors.q_out = own("q_out", s.q_out_dtype, T * Hq * D + slack).contiguous({T, Hq, D});
     tensors.k_out = own("k_out", s.dtype, T * Hk * D + slack).contiguous({T, Hk, D});
   } else {
     auto padded = [&](const char* n, int64_t H) -> TensorView {
       const int64_t head = D + 3, row = H * head + 7;
-      return own(n, s.dtype, 1 + T * row + slack).view({T, H, D}, {row, head, 1}, 1);
+      return own(n, n[0] == 'q' ? s.q_out_dtype : s.dtype, 1 + T * row + slack)
+          .view({T, H, D}, {row, head, 1}, 1);
     };
     tensors.q_out = padded("q_out", Hq);
     tensors.k_out = padded("k_out", Hk);
@@ -481,6 +535,10 @@ Case::Case(const Shape& s, const Layout& l) : shape(s), layout(l) {
 
 void Case::randomize(Rng& rng, double negative_fraction) {
   for (auto& b : buffers_) b->poison(rng);
+  // the scale tensors hold their values, not garbage
+  for (auto [value, scale] : {std::pair{shape.k_scale, &params.k_scale}, {shape.v_scale, &params.v_scale},
+                              {shape.q_scale, &params.q_scale}})
+    if (scale->has_tensor()) *static_cast<float*>(scale->tensor.data) = static_cast<float>(value);
   for (const TensorView* x : {&tensors.q, &tensors.k, &tensors.v})
     for (int64_t t = 0; t < x->shape[0]; ++t)
       for (int64_t h = 0; h < x->shape[1]; ++h)
@@ -681,6 +739,41 @@ CheckStats check_rotation(const char* name, const TensorView& x, const TensorVie
   return check_rotation(name, x, out, positions, make_rope_schedule(params), params.interleaved, how);
 }
 
+namespace {
+uint8_t byte_at(const void* p) { return *static_cast<const uint8_t*>(p); }
+}  // namespace
+
+CheckStats check_quantized(const char* name, const TensorView& x, const TensorView& out,
+                           const TensorView& positions, const RopeSchedule& schedule,
+                           bool interleaved, float scale) {
+  const int64_t T = x.shape[0], H = x.shape[1], D = x.shape[2], R = schedule.rotary_dim;
+  CheckStats stats;
+  for (int64_t t = 0; t < T; ++t) {
+    const std::vector<double> exact =
+        reference::rotate(token_slice(x, t, 1), token_slice(positions, t, 1), schedule, interleaved);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) {
+        const double e = exact[size_t(h * D + d)];
+        const uint8_t got = byte_at(element(out, t, h, d));
+        const uint8_t want = d >= R ? float_to_e4m3(float(e) / scale) : float_to_e4m3(float(e / double(scale)));
+        bool ok;
+        if (d >= R) ok = got == want;
+        else if (e4m3_is_nan(want) || e4m3_is_nan(got)) ok = e4m3_is_nan(want) && e4m3_is_nan(got);
+        else ok = std::abs(e4m3_ordinal(got) - e4m3_ordinal(want)) <= 1;
+        ++stats.elements;
+        if (!ok)
+          stats.fail(t, [&] {
+            char buf[160];
+            std::snprintf(buf, sizeof buf, "%s[%lld, %lld, %lld] = e4m3 0x%02x (%g), want 0x%02x (%g) = e4m3(%.9g / %g)",
+                          name, (long long)t, (long long)h, (long long)d, got, e4m3_to_float(got), want,
+                          e4m3_to_float(want), e, double(scale));
+            return std::string(buf);
+          });
+      }
+  }
+  return stats;
+}
+
 std::vector<std::string> changes_since(const Case& c, const Snapshot& before) {
   std::vector<std::string> out;
   for (size_t i = 0; i < c.buffers().size(); ++i) {
@@ -695,6 +788,16 @@ std::vector<std::string> changes_since(const Case& c, const Snapshot& before) {
 }
 
 namespace {
+
+/// Marks the elements of pool row `slot` (all heads) in a per-element mask of `b`.
+void mark_pool_row(std::vector<bool>& mask, const HostBuffer& b, const TensorView& pool,
+                   KvLayout layout, int64_t slot, int64_t H, int64_t D) {
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t d = 0; d < D; ++d) {
+      const auto* p = static_cast<const uint8_t*>(reference::pool_element(pool, layout, slot, h, d));
+      mask[size_t((p - b.base()) / int64_t(dtype_size(b.dtype())))] = true;
+    }
+}
 
 /// Marks the elements a view covers (rows `row0..row0+n`) in a per-element mask of `b`.
 void mark(std::vector<bool>& mask, const HostBuffer& b, const TensorView& v, int64_t row0,
@@ -711,7 +814,8 @@ void mark(std::vector<bool>& mask, const HostBuffer& b, const TensorView& v, int
 std::vector<std::string> check_call(const Case& c, const Snapshot& before, int threads) {
   std::vector<std::string> problems;
   const RopePoolTensors& x = c.tensors;
-  const int64_t T = c.num_tokens(), P = x.k_pool.shape[0];
+  const int64_t T = c.num_tokens(), P = c.shape.pool_size, Hk = x.k.shape[1], D = x.k.shape[2];
+  const KvLayout kv_layout = c.params.kv_layout;
   std::vector<std::vector<int64_t>> writers(static_cast<size_t>(P));
   for (int64_t t = 0; t < T; ++t)
     if (const int64_t s = c.slot(t); s >= 0) writers.at(size_t(s)).push_back(t);
@@ -725,7 +829,7 @@ std::vector<std::string> check_call(const Case& c, const Snapshot& before, int t
     for (const TensorView* pool : {&x.k_pool, &x.v_pool})
       if (b.offset_of(*pool) >= 0)
         for (int64_t s = 0; s < P; ++s)
-          if (!writers[size_t(s)].empty()) mark(may_write, b, *pool, s, 1);
+          if (!writers[size_t(s)].empty()) mark_pool_row(may_write, b, *pool, kv_layout, s, Hk, D);
     int64_t changed = 0;
     for (int64_t e : b.changed_elements(before.bytes[i], size_t(-1))) {
       if (e >= 0 && may_write[size_t(e)]) continue;
@@ -742,22 +846,73 @@ std::vector<std::string> check_call(const Case& c, const Snapshot& before, int t
   how.threads = threads;
   how.norm_eps = c.params.norm_eps.value_or(1e-6);  // SPEC §7
   how.norm_gemma = c.params.norm_style.value_or("rms") == "gemma";
+  const RopeSchedule schedule =
+      c.params.schedule ? *c.params.schedule : make_rope_schedule(c.params);
   for (auto [name, in, out] : {std::tuple{"q_out", &x.q, &x.q_out}, {"k_out", &x.k, &x.k_out}}) {
     const TensorView& w = in == &x.q ? c.params.q_norm_weight : c.params.k_norm_weight;
     how.norm_weight = w.data ? &w : nullptr;
-    const CheckStats s = check_rotation(name, *in, *out, x.positions, c.params, how);
+    // (fp8 q_rot is checked without a norm: no case combines them yet)
+    const CheckStats s =
+        out->dtype == DType::Float8E4M3FN
+            ? check_quantized(name, *in, *out, x.positions, schedule, c.params.interleaved,
+                              reference::scale_value(c.params.q_scale))
+            : check_rotation(name, *in, *out, x.positions, schedule, c.params.interleaved, how);
     for (const auto& f : s.first) problems.push_back(f.second);
     if (s.failures > int64_t(s.first.size()))
       problems.push_back(std::string(name) + ": " + std::to_string(s.failures) + " of " +
                          std::to_string(s.elements) + " elements out of bound in total");
   }
 
+  // Pool rows: q's dtype: bit-identical to a writer's k_out and v rows; float8_e4m3fn: v
+  // bit-exact e4m3(v / v_scale), k within one e4m3 step of e4m3(exact rotated k / k_scale).
+  const bool fp8 = x.k_pool.dtype == DType::Float8E4M3FN;
+  const float k_scale = reference::scale_value(c.params.k_scale),
+              v_scale = reference::scale_value(c.params.v_scale);
+  const int64_t R = schedule.rotary_dim;
+  auto pool_row_is = [&](const TensorView& pool, int64_t s, const TensorView& from, int64_t t) {
+    const size_t es = dtype_size(from.dtype);
+    for (int64_t h = 0; h < Hk; ++h)
+      for (int64_t d = 0; d < D; ++d)
+        if (std::memcmp(reference::pool_element(pool, kv_layout, s, h, d), element(from, t, h, d), es))
+          return false;
+    return true;
+  };
+  auto fp8_v_row_is = [&](int64_t s, int64_t t) {
+    for (int64_t h = 0; h < Hk; ++h)
+      for (int64_t d = 0; d < D; ++d)
+        if (byte_at(reference::pool_element(x.v_pool, kv_layout, s, h, d)) !=
+            float_to_e4m3(float(load(x.v, t, h, d)) / v_scale))
+          return false;
+    return true;
+  };
+  auto fp8_k_row_is = [&](int64_t s, int64_t t) {
+    const std::vector<double> exact =
+        reference::rotate(token_slice(x.k, t, 1), token_slice(x.positions, t, 1), schedule,
+                          c.params.interleaved);
+    for (int64_t h = 0; h < Hk; ++h)
+      for (int64_t d = 0; d < D; ++d) {
+        const uint8_t got = byte_at(reference::pool_element(x.k_pool, kv_layout, s, h, d));
+        const double e = exact[size_t(h * D + d)];
+        if (d >= R) {  // copied: e4m3(x / scale) exactly
+          if (got != float_to_e4m3(float(e) / k_scale)) return false;
+          continue;
+        }
+        const uint8_t want = float_to_e4m3(float(e / double(k_scale)));
+        if (e4m3_is_nan(want) != e4m3_is_nan(got)) return false;
+        if (!e4m3_is_nan(want) && std::abs(e4m3_ordinal(got) - e4m3_ordinal(want)) > 1) return false;
+      }
+    return true;
+  };
   int64_t bad_rows = 0;
   for (int64_t s = 0; s < P; ++s) {
     const auto& w = writers[size_t(s)];
     if (w.empty()) continue;
-    const bool k_ok = std::any_of(w.begin(), w.end(), [&](int64_t t) { return rows_identical(x.k_pool, s, x.k_out, t); });
-    const bool v_ok = std::any_of(w.begin(), w.end(), [&](int64_t t) { return rows_identical(x.v_pool, s, x.v, t); });
+    const bool k_ok = std::any_of(w.begin(), w.end(), [&](int64_t t) {
+      return fp8 ? fp8_k_row_is(s, t) : pool_row_is(x.k_pool, s, x.k_out, t);
+    });
+    const bool v_ok = std::any_of(w.begin(), w.end(), [&](int64_t t) {
+      return fp8 ? fp8_v_row_is(s, t) : pool_row_is(x.v_pool, s, x.v, t);
+    });
     if ((!k_ok || !v_ok) && ++bad_rows <= 5)
       problems.push_back("pool row " + std::to_string(s) + " (written by token " +
                          std::to_string(w.front()) + (w.size() > 1 ? " and others" : "") + "): " +

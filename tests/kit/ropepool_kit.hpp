@@ -125,7 +125,7 @@ bool rows_identical(const TensorView& a, int64_t row, const TensorView& b, int64
 /// thread takes one). For filling and checking, never inside a timed region.
 void parallel_for(int64_t n, int threads, const std::function<void(int64_t, int64_t)>& body);
 
-/// Element i of `data` (a float dtype) = value i of counter stream `seed`, uniform in
+/// Element i of `data` (a float dtype, float8_e4m3fn too) = value i of counter stream `seed`, uniform in
 /// [lo, hi) and rounded to the dtype; parallel.
 void fill_uniform(void* data, DType dtype, int64_t count, uint64_t seed, double lo, double hi,
                   int threads);
@@ -161,6 +161,11 @@ class HostBuffer {
   /// A row-major view of `shape` starting `offset` elements in.
   TensorView contiguous(std::initializer_list<int64_t> shape, int64_t offset = 0,
                         Device device = {}) const;
+  /// view() with shape and strides of any rank.
+  TensorView strided(const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
+                     int64_t offset = 0, Device device = {}) const {
+    return make_view(shape, strides, offset, device);
+  }
 
   /// Element offset of a view's origin in this buffer, or -1 if it lives elsewhere.
   int64_t offset_of(const TensorView& v) const;
@@ -194,7 +199,12 @@ class HostBuffer {
 // A complete call: buffers, views, params
 
 enum class QkvLayout { Contiguous, Fused, Padded };
-enum class PoolLayout { Contiguous, LayerOfStack, HeadMajor };
+/// Pools: their own buffers (contiguous; layer 1 of a 3-layer stack; the other head/row
+/// order seen through strides), or the K and V halves of one combined cache as vLLM
+/// ([2, pages, ...]: kv_cache[0], kv_cache[1]) and FlashInfer ([pages, 2, ...]:
+/// kv_cache[:, 0], kv_cache[:, 1]) lay it out; "..." is [Hk, D], [page_size, Hk, D] (NHD) or
+/// [Hk, page_size, D] (HND).
+enum class PoolLayout { Contiguous, LayerOfStack, HeadMajor, CombinedVllm, CombinedFlashInfer };
 enum class OutLayout { Contiguous, Padded };
 enum class IndexLayout { Contiguous, Strided };
 
@@ -216,6 +226,13 @@ struct Shape {
   int64_t rotary_dim = 0;   ///< 0: head_dim
   bool interleaved = false; ///< GPT-J pairs
   RopeScaling rope_scaling;
+  // SPEC §6
+  KvLayout kv_layout = KvLayout::None;
+  int64_t page_size = 1;        ///< NHD / HND; pool_size is rounded up to whole pages
+  DType pool_dtype = DType::Other;   ///< Other: dtype; or Float8E4M3FN
+  DType q_out_dtype = DType::Other;  ///< Other: dtype; or Float8E4M3FN
+  double k_scale = 0, v_scale = 0, q_scale = 0;  ///< 0: not passed
+  bool tensor_scales = false;  ///< pass the scales as one-element float32 tensors
 };
 
 /// A representative rope_scaling of each type, for a head rotating `rotary_dim` elements
@@ -322,6 +339,17 @@ CheckStats check_rotation(const char* name, const TensorView& x, const TensorVie
 CheckStats check_rotation(const char* name, const TensorView& x, const TensorView& out,
                           const TensorView& positions, const RopePoolParams& params,
                           const RotationCheck& how = {});
+
+/// The ordinal of an e4m3fn code: neighbouring values differ by one (+0 and -0 are both 0).
+inline int e4m3_ordinal(uint8_t b) { return (b & 0x80) ? -int(b & 0x7f) : int(b & 0x7f); }
+inline bool e4m3_is_nan(uint8_t b) { return (b & 0x7f) == 0x7f; }
+
+/// SPEC §6 for a float8_e4m3fn q_rot `out` of the rotation of `x`: every element within one
+/// e4m3 step of e4m3(exact / scale) (NaN stays NaN), the pass-through elements past
+/// rotary_dim bit-exact (e4m3(x / scale), the division in float32).
+CheckStats check_quantized(const char* name, const TensorView& x, const TensorView& out,
+                           const TensorView& positions, const RopeSchedule& schedule,
+                           bool interleaved, float scale);
 
 /// Every buffer bit-identical to `before` (after a rejected call); one line per change.
 std::vector<std::string> changes_since(const Case& c, const Snapshot& before);

@@ -89,7 +89,9 @@ def test_2_slots_rank(case, framework):
 def test_3_layer_stacked_pool(case, framework):
     stacked = case.k_pool[None]
     expect_error(with_(case, k_pool=stacked), "rope_pool_fused expects pool tensors to be 3-D",
-                 note="a layer-stacked pool [L, P, H, D] must be indexed as `k_pool[layer]`")
+                 note=('a layer-stacked pool [L, P, H, D] must be indexed as `k_pool[layer]`; a paged '
+                       'pool needs kv_layout "NHD" ([pages, page_size, H, D]) or "HND" '
+                       '([pages, H, page_size, D])'))
 
 
 def test_3_flat_pool(case, framework):
@@ -168,7 +170,7 @@ def test_11_pool_dtypes(case, framework, rng, device):
     pool = random_like(framework, rng, (P, HK, D), dtype="float16", device=device)
     expect_error(with_(case, v_pool=pool), "pool dtypes must match q/k/v dtype",
                  note="got k_pool float32, v_pool float16 for q/k/v of float32; the pools hold "
-                 "rotated k and v in q's dtype")
+                 "rotated k and v in q's dtype, or both in float8_e4m3fn")
 
 
 # ---- order: the first failing check wins ---------------------------------------------------
@@ -193,7 +195,7 @@ def test_order_contract_before_index_dtype(case, framework, rng, device):
     expect_error(with_(case, k_pool=pool, v_pool=pool, positions=positions),
                  "pool dtypes must match q/k/v dtype",
                  note="got k_pool float16, v_pool float16 for q/k/v of float32; the pools hold "
-                 "rotated k and v in q's dtype")
+                 "rotated k and v in q's dtype, or both in float8_e4m3fn")
 
 
 def test_order_slot_range_before_duplicates(case, framework):

@@ -47,6 +47,8 @@ def test_signature_is_explicit_and_keyword_only():
                             "rope_scaling": None, "max_position_embeddings": None,
                             "original_max_position_embeddings": None, "seq_len": None, "inv_freq": None, "attention_scaling": None,
                             "schedule": None, "inplace": False, "check_slots": False,
+                            "kv_layout": None, "k_scale": None, "v_scale": None,
+                            "q_scale": None, "q_out_dtype": None,
                             # SPEC §7
                             "q_norm_weight": None, "k_norm_weight": None, "norm_eps": None,
                             "norm_style": None, "mrope_section": None,

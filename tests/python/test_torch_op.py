@@ -23,9 +23,10 @@ def test_registered_as_custom_op():
     written = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
     assert written == ["k_pool", "v_pool"], str(schema)
     scalars = ["head_dim", "num_qo_heads", "num_kv_heads", "rope_base", "check_slots",
-               "rotary_dim", "interleaved", "inv_freq", "attention_scaling",
-               "q_norm_weight", "k_norm_weight", "norm_eps", "norm_style", "mrope_section",
-               "mrope_interleaved"]
+               "rotary_dim", "interleaved", "inv_freq", "attention_scaling", "kv_layout",
+               "k_scale_tensor", "k_scale", "v_scale_tensor", "v_scale", "q_scale_tensor",
+               "q_scale", "q_fp8", "q_norm_weight", "k_norm_weight", "norm_eps", "norm_style",
+               "mrope_section", "mrope_interleaved"]
     assert [a.name for a in schema.arguments] == [
         "q", "k", "v", "positions", "slots", "k_pool", "v_pool", *scalars]
     assert len(schema.returns) == 2 and all(r.alias_info is None for r in schema.returns)
@@ -127,7 +128,8 @@ def test_errors_propagate_through_the_op(rng):
                                  case.k_pool[None], case.v_pool, **case.kwargs())
     assert str(info.value) == "rope_pool_fused expects pool tensors to be 3-D"
     assert info.value.__notes__ == [
-        "a layer-stacked pool [L, P, H, D] must be indexed as `k_pool[layer]`"]
+        'a layer-stacked pool [L, P, H, D] must be indexed as `k_pool[layer]`; a paged pool '
+        'needs kv_layout "NHD" ([pages, page_size, H, D]) or "HND" ([pages, H, page_size, D])']
 
 
 def test_inductor_writes_the_pools_in_place(rng):
