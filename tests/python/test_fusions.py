@@ -538,3 +538,49 @@ def test_fusions_under_torch_compile(rng):
     np.testing.assert_array_equal(raw_bits(q_rot), raw_bits(eager[0]))
     np.testing.assert_array_equal(raw_bits(k_rot), raw_bits(eager[1]))
     np.testing.assert_array_equal(raw_bits(k_pool), raw_bits(eager[2]))
+
+
+# ---- with SPEC §6's caches: paged pools, fp8 pools, fp8 q_rot ----------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_combines_with_caches(kernel_device, rng, dtype):
+    """Fused norm + RoPE into a paged NHD pool, fp8 pools and an fp8 q_rot: the very bits of
+    ropepool's plain call on the normalised heads (read back at position 0) with the same
+    cache keywords. (CUDA: the norm kernel writes 3-D pools in q's dtype only, so these
+    combinations are a ValueError there.)"""
+    cfg = dict(QWEN3_4B, num_qo_heads=4, num_kv_heads=2)
+    T, D, Hk, P = 20, 128, 2, 64
+    a = _inputs(rng, cfg, T, dtype, P=P)
+    t = TORCH_DTYPES[dtype]
+    w = {n: torch.from_numpy(1 + 0.3 * rng.standard_normal(D)).to(t).to(kernel_device)
+         for n in ("q_norm_weight", "k_norm_weight")}
+    positions = torch.from_numpy(rng.integers(0, 2**17, size=T).astype(np.int32)).to(kernel_device)
+    dev = {n: a[n].to(kernel_device) for n in ("q", "k", "v", "slots")}
+    q_y, k_y, *_ = _call(a, torch.zeros(T, dtype=torch.int32), _kw(cfg, **w), kernel_device)
+    q_y, k_y = q_y.to(kernel_device), k_y.to(kernel_device)
+    fp8 = torch.float8_e4m3fn
+    variants = {
+        "paged NHD": (lambda: (a["k_pool"].reshape(P // 16, 16, Hk, D).clone(),
+                               a["v_pool"].reshape(P // 16, 16, Hk, D).clone()),
+                      dict(kv_layout="NHD")),
+        "fp8 pools": (lambda: (torch.zeros(P, Hk, D, dtype=fp8), torch.zeros(P, Hk, D, dtype=fp8)),
+                      dict(k_scale=0.5, v_scale=2.0)),
+        "fp8 q_rot": (lambda: (a["k_pool"].clone(), a["v_pool"].clone()),
+                      dict(q_out_dtype=fp8, q_scale=0.25)),
+    }
+    for name, (pools, extra) in variants.items():
+        kp, vp = (x.to(kernel_device) for x in pools())
+        kw = _kw(cfg, **extra)
+        if kernel_device == "cuda":
+            with pytest.raises(ValueError, match="not supported on the cuda backend yet"):
+                ropepool.rope_pool_fused(dev["q"], dev["k"], dev["v"], positions, dev["slots"],
+                                         kp, vp, **kw, **w)
+            continue
+        q_rot, k_rot, _, _ = ropepool.rope_pool_fused(dev["q"], dev["k"], dev["v"], positions,
+                                                      dev["slots"], kp, vp, **kw, **w)
+        kp2, vp2 = (x.to(kernel_device) for x in pools())
+        q_p, k_p, _, _ = ropepool.rope_pool_fused(q_y, k_y, dev["v"], positions, dev["slots"],
+                                                  kp2, vp2, **kw)
+        for got, want, what in ((q_rot, q_p, "q_rot"), (k_rot, k_p, "k_rot"), (kp, kp2, "k_pool"),
+                                (vp, vp2, "v_pool")):
+            np.testing.assert_array_equal(raw_bits(got), raw_bits(want), f"{name}: {what}")
