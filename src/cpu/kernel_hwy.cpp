@@ -379,13 +379,17 @@ void SinCosTable(const double* HWY_RESTRICT inv_freq, int64_t n, int64_t pos, fl
   const auto pos_d = hn::Set(dd, static_cast<double>(pos));
   const auto two_pi = hn::Set(dd, 6.283185307179586);
   const auto inv_two_pi = hn::Set(dd, 0.15915494309189535);
-  for (int64_t i = 0; i < n; i += Nd) {
-    const auto theta = hn::Mul(pos_per_freq ? hn::LoadU(dd, pos_per_freq + i) : pos_d,
-                               hn::LoadU(dd, inv_freq + i));
+  auto reduce = [&](int64_t i, decltype(pos_d) pos_v) {
+    const auto theta = hn::Mul(pos_v, hn::LoadU(dd, inv_freq + i));
     const auto turns = hn::Round(hn::Mul(theta, inv_two_pi));
     const auto r = hn::NegMulAdd(turns, two_pi, theta);
     // Store the float angles into sin_out, overwritten in place below.
     hn::StoreU(hn::DemoteTo(df_half, r), df_half, sin_out + i);
+  };
+  if (pos_per_freq == nullptr) {
+    for (int64_t i = 0; i < n; i += Nd) reduce(i, pos_d);
+  } else {
+    for (int64_t i = 0; i < n; i += Nd) reduce(i, hn::LoadU(dd, pos_per_freq + i));
   }
   const auto vscale = hn::Set(df, scale);
   for (int64_t i = 0; i < n; i += Nf) {
@@ -441,14 +445,15 @@ HWY_INLINE VF RoundTo(DF df, VF v) {
   }
 }
 
-// SPEC §7's per-head norm of one head x[0, D) into y (the head is read from memory once;
-// the rotation then reads y from L1). mean(x^2) and the rsqrt in float32; "rms":
+// SPEC §7's per-head norm, in two passes over a head that stays in L1 (it is read from
+// memory once): SumSquares gives sum(x^2) in float32; with r = rsqrt(mean(x^2) + eps) in
+// float32, NormApply writes y into a scratch row the rotation then reads: "rms":
 // y = round(w * round(x * r)), "gemma": y = round(x * r * w) with w already 1 + weight.
 template <class E>
-HWY_INLINE void NormRow(const typename E::T* x, typename E::T* y, const float* HWY_RESTRICT w,
-                        float eps, int64_t D, bool gemma) {
+HWY_INLINE float SumSquares(const typename E::T* x, int64_t D) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  (void)df, (void)N;
   int64_t i = 0;
 #if HWY_TARGET == HWY_SCALAR
   // One lane would be one long float32 chain over the head: sum in double, round once.
@@ -464,9 +469,18 @@ HWY_INLINE void NormRow(const typename E::T* x, typename E::T* y, const float* H
   float sum = hn::GetLane(hn::SumOfLanes(df, acc));
   for (; i < D; ++i) sum += E::scalar_load(x[i]) * E::scalar_load(x[i]);
 #endif
-  const float r = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
+  return sum;
+}
+
+// The norm's second pass, with r = rsqrt(mean(x^2) + eps) of the head.
+template <class E>
+HWY_INLINE void NormApply(const typename E::T* x, typename E::T* y, const float* HWY_RESTRICT w,
+                          float r, int64_t D, bool gemma) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const VF vr = hn::Set(df, r);
-  for (i = 0; i + N <= D; i += N) {
+  int64_t i = 0;
+  for (; i + N <= D; i += N) {
     const VF n = hn::Mul(E::load(df, x + i), vr);
     // "rms": n rounded to the input dtype (in registers), then times w
     StoreVec<E>(df, hn::Mul(gemma ? n : RoundTo<E>(df, n), hn::LoadU(df, w + i)), y + i, false);
@@ -656,6 +670,54 @@ HWY_INLINE void RotateRowToE4M3(const typename E::T* x, uint8_t* out, const floa
 // rounded to q's dtype (k_rot: the plain path's bits) and quantised (the pool row); an fp8
 // q_rot head is rotated and quantised in one pass. Scale tensors are read here, when the
 // kernel runs.
+#if HWY_TARGET != HWY_SCALAR
+// NormRow for bfloat16 through the permute-free (even, odd) split of the file comment: 2N
+// elements per step; `w` is in (even, odd) order per whole chunk of 2N (PermuteForBF16 over
+// the head), in order for the rest.
+HWY_INLINE float SumSquaresBF16(const uint16_t* x, int64_t D) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  VF acc_e = hn::Zero(df), acc_o = hn::Zero(df);
+  int64_t i = 0;
+  for (; i + 2 * N <= D; i += 2 * N) {
+    VF e, o;
+    LoadBF16EvenOdd(x + i, e, o);
+    acc_e = hn::MulAdd(e, e, acc_e);
+    acc_o = hn::MulAdd(o, o, acc_o);
+  }
+  float sum = hn::GetLane(hn::SumOfLanes(df, hn::Add(acc_e, acc_o)));
+  for (; i < D; ++i) sum += bf16_to_float(x[i]) * bf16_to_float(x[i]);
+  return sum;
+}
+
+HWY_INLINE void NormApplyBF16(const uint16_t* x, uint16_t* y, const float* HWY_RESTRICT w,
+                              float r, int64_t D, bool gemma) {
+  const DF df;
+  const hn::RebindToUnsigned<DF> du32;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const int64_t whole = D / (2 * N) * (2 * N);
+  int64_t i = 0;
+  const VF vr = hn::Set(df, r);
+  const auto keep = hn::Set(du32, 0xffff0000u);
+  for (i = 0; i < whole; i += 2 * N) {
+    VF e, o;
+    LoadBF16EvenOdd(x + i, e, o);
+    e = hn::Mul(e, vr);
+    o = hn::Mul(o, vr);
+    if (!gemma) {  // "rms": rounded to bfloat16 (in registers), then times w
+      e = hn::BitCast(df, hn::And(RoundToBF16High(e), keep));
+      o = hn::BitCast(df, hn::And(RoundToBF16High(o), keep));
+    }
+    StoreU16(PackBF16EvenOdd(hn::Mul(e, hn::LoadU(df, w + i)), hn::Mul(o, hn::LoadU(df, w + i + N))),
+             y + i, false);
+  }
+  for (; i < D; ++i) {
+    const float n = bf16_to_float(x[i]) * r;
+    y[i] = float_to_bf16(gemma ? n * w[i] : bf16_to_float(float_to_bf16(n)) * w[i]);
+  }
+}
+#endif
+
 template <class E, bool kQuant>
 void RunBlockT(const CallPlan& plan, const Block& block) {
   using T = typename E::T;
@@ -705,10 +767,12 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
   // QK norm (SPEC §7): the weights as float32 ("gemma": 1 + w), and a head of scratch.
   thread_local std::vector<float> norm_w;
   thread_local std::vector<T> normed;
+  thread_local std::vector<float> norm_r;  // per head of the block: sum of squares, then r
   const bool q_norm = p.q_norm_weight != nullptr, k_norm = p.k_norm_weight != nullptr;
   if (q_norm || k_norm) {
     norm_w.resize(size_t(2 * D));
     normed.resize(size_t(D));
+    norm_r.resize(size_t(block.head_end - block.head_begin));
     for (int which = 0; which < 2; ++which) {
       const void* w = which ? p.k_norm_weight : p.q_norm_weight;
       if (!w) continue;
@@ -716,6 +780,13 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
       PromoteRow(which ? p.k_norm_dtype : p.q_norm_dtype, w, out, D);
       if (p.norm_gemma)
         for (int64_t d = 0; d < D; ++d) out[d] = 1.0f + out[d];
+#if HWY_TARGET != HWY_SCALAR
+      if constexpr (kBF16) {  // NormRowBF16 reads whole chunks of 2N in (even, odd) order
+        thread_local std::vector<float> plain;
+        plain.assign(out, out + D);
+        PermuteForBF16(plain.data(), D, D, out);
+      }
+#endif
     }
   }
   const bool dup_tables = p.interleaved && !kBF16;
@@ -802,9 +873,38 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     };
     int64_t slot = p.slots[t];
     if (plan.pool_write_superseded && plan.pool_write_superseded[t]) slot = -1;
-    // SPEC §7: a normalised head is rotated from the scratch row.
-    auto norm = [&](const T* x, int which) -> const T* {
-      NormRow<E>(x, normed.data(), norm_w.data() + which * D, p.norm_eps, D, p.norm_gemma);
+    // SPEC §7: a normalised head is rotated from the scratch row. First the sums of
+    // squares of all the block's normalised heads of the token (independent, so they
+    // overlap, and so do their square roots and divisions), then head by head the second
+    // pass and the rotation (the token's heads are still in L1).
+    if (q_norm || k_norm) {
+      for (int64_t h = block.head_begin; h < block.head_end; ++h) {
+        const bool is_q = h < Hq;
+        if (!(is_q ? q_norm : k_norm)) continue;
+        const T* x = is_q ? row(p.q, t, h) : row(p.k, t, h - Hq);
+        float sum;
+#if HWY_TARGET != HWY_SCALAR
+        if constexpr (kBF16)
+          sum = SumSquaresBF16(x, D);
+        else
+#endif
+          sum = SumSquares<E>(x, D);
+        norm_r[size_t(h - block.head_begin)] = sum;
+      }
+      for (int64_t h = block.head_begin; h < block.head_end; ++h) {
+        float& r = norm_r[size_t(h - block.head_begin)];
+        r = 1.0f / std::sqrt(r / static_cast<float>(D) + p.norm_eps);
+      }
+    }
+    auto norm = [&](const T* x, int which, int64_t h) -> const T* {
+      const float r = norm_r[size_t(h - block.head_begin)];
+#if HWY_TARGET != HWY_SCALAR
+      if constexpr (kBF16) {
+        NormApplyBF16(x, normed.data(), norm_w.data() + which * D, r, D, p.norm_gemma);
+        return normed.data();
+      }
+#endif
+      NormApply<E>(x, normed.data(), norm_w.data() + which * D, r, D, p.norm_gemma);
       return normed.data();
     };
     // SPEC §6 paging (3-D pools: page_size 1, no division)
@@ -815,7 +915,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     }
     for (int64_t h = block.head_begin; h < block.head_end; ++h) {
       if (h < Hq) {
-        const T* x = q_norm ? norm(row(p.q, t, h), 0) : row(p.q, t, h);
+        const T* x = q_norm ? norm(row(p.q, t, h), 0, h) : row(p.q, t, h);
         if (kQuant && fp8_q)
           RotateRowToE4M3<E>(x,
                              static_cast<uint8_t*>(p.q_out.data) + t * p.q_out.row_stride +
@@ -826,7 +926,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
         continue;
       }
       const int64_t kv = h - Hq;
-      const T* x = k_norm ? norm(row(p.k, t, kv), 1) : row(p.k, t, kv);
+      const T* x = k_norm ? norm(row(p.k, t, kv), 1, h) : row(p.k, t, kv);
       if (kQuant && fp8_pool) {
         float* f = rotated.data();
         RotateRowToFloat<E>(x, f, cos_p, sin_p, cos_pil, sin_pil, R, D, p.interleaved);
