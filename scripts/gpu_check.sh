@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh            # build, test, sanitize, benchmark; ~2-3 minutes
 #   GPU_CHECK_BENCH=0 bash scripts/gpu_check.sh   # the same without the benchmark
 #   GPU_CHECK_TESTS=0 bash scripts/gpu_check.sh   # builds and benchmarks only
+#   GPU_CHECK_SANITIZE=0 ...                       # without the compute-sanitizer step
 #   GPU_CHECK_PROFILE=1 ...                        # also Nsight Compute on the C++ benchmark
 #
 # Expects: nvcc, python3 with torch (CUDA), nanobind, scikit-build-core, pytest, cmake and
@@ -163,7 +164,7 @@ fi
 # --- 4: pytest ---------------------------------------------------------------------------------
 if [ "$PIP_RC" = 0 ] && [ "$TESTS" != 0 ]; then
   # From a directory without the source package, so the installed one is imported.
-  run_step "pytest (whole suite, GPU included)" "$LOGS/pytest.log" 300 \
+  run_step "pytest (whole suite, GPU included)" "$LOGS/pytest.log" 420 \
     bash -c "cd /tmp && $PY -m pytest '$ROOT/tests/python' -q -p no:cacheprovider -rs --rootdir '$ROOT' -c '$ROOT/pyproject.toml'"
   NOTES[-1]="$(grep -E '[0-9]+ (passed|failed)' "$LOGS/pytest.log" | tail -n 1)"
   if [ "$HAS_JAX" = 1 ]; then
@@ -185,6 +186,8 @@ fi
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 if [ "$TESTS" = 0 ]; then
   :
+elif [ "${GPU_CHECK_SANITIZE:-1}" = 0 ]; then
+  step "compute-sanitizer" 0 "SKIPPED" "GPU_CHECK_SANITIZE=0"
 elif [ -x "$CUDA_TEST" ] && [ -x "$SAN" ]; then
   for tool in memcheck racecheck initcheck synccheck; do
     extra=(); [ $tool = memcheck ] && extra=(--leak-check no)
@@ -196,7 +199,7 @@ else
   step "compute-sanitizer" 0 "SKIPPED" "no CUDA test binary or no compute-sanitizer"
 fi
 MLA_TEST=$BUILD/cpp/tests/cuda/ropepool_test_mla_cuda
-if [ "$TESTS" != 0 ] && [ -x "$MLA_TEST" ] && [ -x "$SAN" ]; then
+if [ "$TESTS" != 0 ] && [ "${GPU_CHECK_SANITIZE:-1}" != 0 ] && [ -x "$MLA_TEST" ] && [ -x "$SAN" ]; then
   run_step "compute-sanitizer memcheck (MLA CUDA test)" "$LOGS/sanitizer.log" 300 \
     "$SAN" --tool memcheck --leak-check no --error-exitcode 99 "$MLA_TEST"
   NOTES[-1]="$(grep -E 'ERROR SUMMARY' "$LOGS/sanitizer.log" | tail -n 1)"
