@@ -5,6 +5,10 @@
 #   GPU_CHECK_BENCH=0 bash scripts/gpu_check.sh   # the same without the benchmark
 #   GPU_CHECK_TESTS=0 bash scripts/gpu_check.sh   # builds and benchmarks only
 #   GPU_CHECK_SANITIZE=0 ...                       # without the compute-sanitizer step
+#   GPU_CHECK_QUICK=1 ...   # without the steps other steps cover: ctest -LE gpu (the CPU
+#                           # tests, run by CI), the separate JAX step (its tests are in the
+#                           # whole suite) and the decode example without a CUDA graph;
+#                           # pytest runs only the GPU cases (-m gpu)
 #   GPU_CHECK_PROFILE=1 ...                        # also Nsight Compute on the C++ benchmark
 #
 # Expects: nvcc, python3 with torch (CUDA), nanobind, scikit-build-core, pytest, cmake and
@@ -143,10 +147,11 @@ step "cmake build (CUDA, tests, CLI)" $((SECONDS - t0)) "$([ $CPP_RC = 0 ] && ec
 
 # GPU_CHECK_TESTS=0 skips steps 2b-5 (a benchmark-only rerun of code already tested).
 TESTS=${GPU_CHECK_TESTS:-1}
+QUICK=${GPU_CHECK_QUICK:-0}
 [ "$TESTS" = 0 ] && step "tests (steps 2b-5)" 0 "SKIPPED" "GPU_CHECK_TESTS=0"
 
 # --- 2b: ctest (everything but the GPU tests) --------------------------------------------------
-if [ $CPP_RC = 0 ] && [ "$TESTS" != 0 ]; then
+if [ $CPP_RC = 0 ] && [ "$TESTS" != 0 ] && [ "$QUICK" != 1 ]; then
   run_step "ctest -LE gpu" "$LOGS/ctest.log" 300 \
     ctest --test-dir "$BUILD/cpp" --output-on-failure --no-tests=error -LE gpu -j "$JOBS"
   NOTES[-1]="$(grep -E 'tests passed|tests failed' "$LOGS/ctest.log" | tail -n 1)"
@@ -164,17 +169,23 @@ fi
 # --- 4: pytest ---------------------------------------------------------------------------------
 if [ "$PIP_RC" = 0 ] && [ "$TESTS" != 0 ]; then
   # From a directory without the source package, so the installed one is imported.
-  run_step "pytest (whole suite, GPU included)" "$LOGS/pytest.log" 420 \
-    bash -c "cd /tmp && $PY -m pytest '$ROOT/tests/python' -q -p no:cacheprovider -rs --rootdir '$ROOT' -c '$ROOT/pyproject.toml'"
+  # (quick: only the GPU cases, `-m gpu`; CI runs the CPU ones)
+  select=(); name="pytest (whole suite, GPU included)"
+  [ "$QUICK" = 1 ] && select=(-m gpu) && name="pytest -m gpu (the GPU cases)"
+  run_step "$name" "$LOGS/pytest.log" 420 \
+    bash -c "cd /tmp && $PY -m pytest '$ROOT/tests/python' -q -p no:cacheprovider -rs ${select[*]:-} --rootdir '$ROOT' -c '$ROOT/pyproject.toml'"
   NOTES[-1]="$(grep -E '[0-9]+ (passed|failed)' "$LOGS/pytest.log" | tail -n 1)"
-  if [ "$HAS_JAX" = 1 ]; then
+  if [ "$QUICK" = 1 ]; then
+    :
+  elif [ "$HAS_JAX" = 1 ]; then
     run_step "JAX front end on CUDA (test_jax.py -m gpu)" "$LOGS/pytest.log" 300 \
       bash -c "cd /tmp && $PY -m pytest '$ROOT/tests/python/test_jax.py' -q -p no:cacheprovider -rs -m gpu --rootdir '$ROOT' -c '$ROOT/pyproject.toml'"
     NOTES[-1]="$(grep -E '[0-9]+ (passed|failed|skipped)' "$LOGS/pytest.log" | tail -n 1)"
   else
     step "JAX front end on CUDA" 0 "SKIPPED" "jax is not installed"
   fi
-  for mode in graph no-graph; do
+  modes=(graph no-graph); [ "$QUICK" = 1 ] && modes=(graph)
+  for mode in "${modes[@]}"; do
     extra=(); [ $mode = no-graph ] && extra=(--no-graph)
     run_step "examples/decode.py --device cuda ($mode)" "$LOGS/pytest.log" 300 \
       bash -c "cd /tmp && $PY '$ROOT/examples/decode.py' --device cuda ${extra[*]:-}"

@@ -127,6 +127,26 @@ def rope_pool_fused(
     exception's ``__notes__``), TypeError for arguments that are not arrays, RuntimeError
     for backend failures. Nothing is written when an error is raised.
     """
+    # The common decode-step call (plain torch tensors, eager, only the four required
+    # keywords, validated once per geometry) skips the keyword machinery below; the core
+    # still validates every call (SPEC §2), so errors are the same.
+    if type(q) is _FAST_TENSOR and type(k) is _FAST_TENSOR and type(v) is _FAST_TENSOR \
+            and type(positions) is _FAST_TENSOR and type(slots) is _FAST_TENSOR \
+            and type(k_pool) is _FAST_TENSOR and type(v_pool) is _FAST_TENSOR \
+            and rotary_dim is None and interleaved is False and rope_scaling is None \
+            and max_position_embeddings is None and original_max_position_embeddings is None \
+            and seq_len is None and inv_freq is None and attention_scaling is None \
+            and schedule is None and check_slots is False and kv_layout is None \
+            and k_scale is None and v_scale is None and q_scale is None and q_out_dtype is None \
+            and q_norm_weight is None and k_norm_weight is None and norm_eps is None \
+            and norm_style is None and mrope_section is None and mrope_interleaved is None \
+            and (inplace is False or inplace is True) \
+            and type(head_dim) is int and type(num_qo_heads) is int \
+            and type(num_kv_heads) is int and type(rope_base) is float \
+            and (head_dim, num_qo_heads, num_kv_heads, rope_base) in _FAST_GEOMETRIES \
+            and _fast_eager():
+        return _fast_call(q, k, v, positions, slots, k_pool, v_pool, head_dim, num_qo_heads,
+                          num_kv_heads, rope_base, inplace)
     tensors = (q, k, v, positions, slots, k_pool, v_pool)
     all_torch = torch is not None and isinstance(q, torch.Tensor) \
         and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) \
@@ -142,6 +162,8 @@ def rope_pool_fused(
                        mrope_interleaved)
     fusion = _fusion_args(q_norm_weight, k_norm_weight, norm_eps, norm_style, sched_section,
                           sched_interleaved)
+    _remember_geometry(head_dim, num_qo_heads, num_kv_heads, rope_base, sched_freqs,
+                       sched_section)
     check_slots = bool(check_slots)
     interleaved = bool(interleaved)
     inplace = bool(inplace)
@@ -197,6 +219,21 @@ def rope_pool_fused(
         **_fusion_kwargs(fusion),
     )
     return q_rot, k_rot, k_pool, v_pool
+
+
+# Geometries (head_dim, num_qo_heads, num_kv_heads, rope_base) whose Python types the slow
+# path has checked (ints that are not bools, a float rope_base) and whose default schedule
+# needs no table: the fast path passes them to the core as they are. Bounded: a process
+# runs a handful of models.
+_FAST_GEOMETRIES: set = set()
+
+
+def _remember_geometry(head_dim, num_qo_heads, num_kv_heads, rope_base, sched_freqs,
+                       sched_section):
+    if sched_freqs is None and sched_section is None and len(_FAST_GEOMETRIES) < 64 \
+            and type(head_dim) is int and type(num_qo_heads) is int \
+            and type(num_kv_heads) is int and type(rope_base) is float:
+        _FAST_GEOMETRIES.add((head_dim, num_qo_heads, num_kv_heads, rope_base))
 
 
 # Frameworks whose arrays are immutable (SPEC §9): the op would write behind their back, so
@@ -474,6 +511,8 @@ def _new_array_output(x: Any, name: str) -> Any:
     return xp.empty(shape, dtype=dtype)
 
 
+_FAST_TENSOR: Any = None  # torch.Tensor where torch is installed (the fast path's type test)
+
 if torch is not None:
 
     def _new_torch_output(x: "torch.Tensor") -> "torch.Tensor":
@@ -607,6 +646,39 @@ if torch is not None:
                                         **kwargs):
         _run(q, k, v, positions, slots, k_pool, v_pool, q, k, *scalars, **kwargs)
         _increment_version((q, k, k_pool, v_pool))
+
+    def _fast_eager() -> bool:
+        return not _is_compiling() and _dispatch_mode() is None
+
+    def _fast_call(q, k, v, positions, slots, k_pool, v_pool, head_dim, num_qo_heads,
+                   num_kv_heads, rope_base, inplace):
+        """What _rope_pool_fused_kernel / _rope_pool_fused_inplace_kernel do for a call
+        with only the four required keywords, without building the keyword tuples."""
+        if inplace:
+            q_rot, k_rot = q, k
+        else:
+            q_rot, k_rot = _new_torch_output(q), _new_torch_output(k)
+        stream = 0
+        if q.is_cuda:
+            device = q.device.index
+            stream = _current_raw_stream(device)
+            if device != _current_device():
+                with torch.cuda.device(q.device):
+                    _ropepool.rope_pool_fused_into(
+                        q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot,
+                        head_dim=head_dim, num_qo_heads=num_qo_heads,
+                        num_kv_heads=num_kv_heads, rope_base=rope_base, stream=stream,
+                        exporter=_to_dlpack)
+                _increment_version((q, k, k_pool, v_pool) if inplace else (k_pool, v_pool))
+                return q_rot, k_rot, k_pool, v_pool
+        _ropepool.rope_pool_fused_into(
+            q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, head_dim=head_dim,
+            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base,
+            stream=stream, exporter=_to_dlpack)
+        _increment_version((q, k, k_pool, v_pool) if inplace else (k_pool, v_pool))
+        return q_rot, k_rot, k_pool, v_pool
+
+    _FAST_TENSOR = torch.Tensor
 
     # One kernel for every backend key (CPU, CUDA, ...): the C++ side dispatches on the
     # tensors' device itself and rejects what it cannot run.

@@ -186,3 +186,37 @@ def test_fake_tensors_take_the_custom_op(rng):
         q_rot, k_rot, k_pool, v_pool = ropepool.rope_pool_fused(*fake, **case.kwargs())
         assert q_rot.shape == case.q.shape and k_rot.shape == case.k.shape
         assert k_pool is fake[5] and v_pool is fake[6]
+
+
+def test_eager_fast_path_matches_the_op(kernel_device, rng):
+    """The second eager call of a geometry takes the fast path (only the four required
+    keywords): the same bits as the registered op, the pools' versions bumped, q/k written
+    in place with inplace=True, and the core's exact errors for a bad call; keyword types
+    the slow path rejects (a bool head_dim) are still rejected."""
+    case = make_case("torch", "bfloat16", rng, T=5, Hq=4, Hk=2, D=64, P=16,
+                     device=kernel_device, rope_base=12345.0)
+    ref = clone_case(case)
+    q_ref, k_ref = torch.ops.ropepool.rope_pool_fused(*ref.args(), 64, 4, 2, 12345.0)
+    for _ in range(2):  # the first call registers the geometry, the second is the fast path
+        run = clone_case(case)
+        versions = (run.k_pool._version, run.v_pool._version)
+        q_rot, k_rot, k_pool, v_pool = ropepool.rope_pool_fused(*run.args(), **run.kwargs())
+        assert k_pool is run.k_pool and v_pool is run.v_pool
+        assert (raw_bits(q_rot) == raw_bits(q_ref)).all() and (raw_bits(k_rot) == raw_bits(k_ref)).all()
+        assert (raw_bits(k_pool) == raw_bits(ref.k_pool)).all()
+        assert (raw_bits(v_pool) == raw_bits(ref.v_pool)).all()
+        assert run.k_pool._version > versions[0] and run.v_pool._version > versions[1]
+        assert (64, 4, 2, 12345.0) in ropepool._op._FAST_GEOMETRIES  # the next call is fast
+    run = clone_case(case)
+    q, k = run.q.clone(), run.k.clone()
+    out = ropepool.rope_pool_fused(q, k, *run.args()[2:], **run.kwargs(), inplace=True)
+    assert out[0] is q and out[1] is k
+    assert (raw_bits(q) == raw_bits(q_ref)).all() and (raw_bits(k) == raw_bits(k_ref)).all()
+    bad = clone_case(case)
+    with pytest.raises(ValueError, match=r"^k shape must be \[num_tokens, num_kv_heads, "
+                                         r"head_dim\], got torch.Size\(\[5, 2, 32\]\)"):
+        ropepool.rope_pool_fused(bad.q, bad.k[..., :32], *bad.args()[2:], **bad.kwargs())
+    bad.assert_unchanged()
+    with pytest.raises(TypeError, match="head_dim"):
+        ropepool.rope_pool_fused(*bad.args(), head_dim=True, num_qo_heads=4, num_kv_heads=2,
+                                 rope_base=12345.0)
