@@ -21,7 +21,8 @@ L2; the cache is far larger than the L2. Modes: b2b (CUDA events around 20 calls
 sets, time / 20) and graph (a CUDA graph of those 20 calls, replay time / 20); medians of
 --samples. Effective bandwidth counts T*(2*H*64 + 2*64 + 512)*2 + T*576*cache_elem + 8*T
 bytes. Before timing, ropepool's outputs are checked against eager's (q_pe_rot/k_pe_rot
-within 2 bf16 ulp, cache rows of kv_c bit for bit, k_pe_rot within one unit of its dtype).
+within 2 bf16 ulp, cache rows of kv_c bit for bit, k_pe_rot within 2 bf16 ulp or one e4m3
+step).
 """
 
 from __future__ import annotations
@@ -132,8 +133,11 @@ def check(T, H, cache_dtype, device, gen):
     torch.testing.assert_close(k1.float(), k2.float(), atol=2**-6, rtol=2**-7)
     rows1, rows2 = c1[slots.long()], c2[slots.long()]
     assert torch.equal(rows1[:, :L].view(torch.uint8), rows2[:, :L].view(torch.uint8)), "kv_c rows"
-    d = (rows1[:, L:].view(torch.uint8).int() - rows2[:, L:].view(torch.uint8).int()).abs()
-    assert int(d.max()) <= 1, "k_pe_rot rows"
+    # k_pe_rot in the rows: as close as q/k above (bf16), or one e4m3 step (fp8); a byte-wise
+    # comparison would fail where a*cos - b*sin cancels and the two float32 sin/cos differ
+    tol = dict(atol=2**-9, rtol=2**-3) if cache_dtype == torch.float8_e4m3fn \
+        else dict(atol=2**-6, rtol=2**-7)
+    torch.testing.assert_close(rows1[:, L:].float(), rows2[:, L:].float(), **tol)
 
 
 def main():

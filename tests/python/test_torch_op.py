@@ -188,11 +188,12 @@ def test_fake_tensors_take_the_custom_op(rng):
         assert k_pool is fake[5] and v_pool is fake[6]
 
 
-def test_eager_fast_path_matches_the_op(kernel_device, rng):
+def test_eager_fast_path_matches_the_op(kernel_device, rng, monkeypatch):
     """The second eager call of a geometry takes the fast path (only the four required
     keywords): the same bits as the registered op, the pools' versions bumped, q/k written
     in place with inplace=True, and the core's exact errors for a bad call; keyword types
     the slow path rejects (a bool head_dim) are still rejected."""
+    monkeypatch.setattr(ropepool._op, "_FAST_GEOMETRIES", set())  # (bounded: may be full)
     case = make_case("torch", "bfloat16", rng, T=5, Hq=4, Hk=2, D=64, P=16,
                      device=kernel_device, rope_base=12345.0)
     ref = clone_case(case)
