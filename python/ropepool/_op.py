@@ -654,23 +654,22 @@ if torch is not None:
                    num_kv_heads, rope_base, inplace):
         """What _rope_pool_fused_kernel / _rope_pool_fused_inplace_kernel do for a call
         with only the four required keywords, without building the keyword tuples."""
+        stream = 0
+        if q.is_cuda:
+            device = q.device.index
+            if device != _current_device():  # rare: _run switches the device
+                scalars = (head_dim, num_qo_heads, num_kv_heads, rope_base)
+                if inplace:
+                    _rope_pool_fused_inplace_kernel(q, k, v, positions, slots, k_pool, v_pool,
+                                                    *scalars)
+                    return q, k, k_pool, v_pool
+                return (*_rope_pool_fused_kernel(q, k, v, positions, slots, k_pool, v_pool,
+                                                 *scalars), k_pool, v_pool)
+            stream = _current_raw_stream(device)
         if inplace:
             q_rot, k_rot = q, k
         else:
             q_rot, k_rot = _new_torch_output(q), _new_torch_output(k)
-        stream = 0
-        if q.is_cuda:
-            device = q.device.index
-            stream = _current_raw_stream(device)
-            if device != _current_device():
-                with torch.cuda.device(q.device):
-                    _ropepool.rope_pool_fused_into(
-                        q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot,
-                        head_dim=head_dim, num_qo_heads=num_qo_heads,
-                        num_kv_heads=num_kv_heads, rope_base=rope_base, stream=stream,
-                        exporter=_to_dlpack)
-                _increment_version((q, k, k_pool, v_pool) if inplace else (k_pool, v_pool))
-                return q_rot, k_rot, k_pool, v_pool
         _ropepool.rope_pool_fused_into(
             q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, head_dim=head_dim,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base,
