@@ -260,7 +260,7 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   plan.grid = T;
   plan.threads = 32 * c.warps_per_cta;
   plan.shared_bytes = size_t(2) * size_t(half) * sizeof(float);
-  if (plan.pool_variant != 0) plan.shared_bytes += 32;  // scales and pool row, before the table
+  if (plan.pool_variant != 0) plan.shared_bytes += cuda::kPoolSharedBytes;  // before the table
   // Duplicate slots: none possible with one token; a shared-memory scan for small calls
   // (no atomics, no fences, and the last token wins as on the CPU); locks otherwise.
   plan.pool_write_mode = T == 1 || !c.dedupe_rows ? cuda::kPoolWriteDirect

@@ -54,6 +54,10 @@ enum PoolVariant : int {
   kPoolFp8 = 2,    ///< k_pool / v_pool in float8 e4m3fn: e4m3(x / k_scale or v_scale)
   kQOutFp8 = 4,    ///< q_out in float8 e4m3fn: e4m3(q_rot / q_scale)
 };
+/// Shared memory before the table in the kernels with kPool != 0: three Fp8Divisor (k, v and q
+/// scales) and the kv warp's two pool row offsets.
+constexpr int kPoolSharedBytes = 3 * int(sizeof(Fp8Divisor)) + 2 * 8;
+static_assert(sizeof(Fp8Divisor) == 16 && kPoolSharedBytes % 16 == 0, "the table stays 16-byte aligned");
 
 /// Parameters of the kernels with kPool != 0 only, after the seed's block (KernelParams<.., true>).
 struct PoolParams {
@@ -374,64 +378,9 @@ struct HeadOps {
     }
   }
 
-  /// The fp8 pools (bfloat16 k): rotates unit j of (a, b) and stores it, rounded once to q's
-  /// dtype at `raw_head` (k_out; nullptr: none) and as e4m3(x / scale) of the float32 result
-  /// at `fp8_head` (k_pool; nullptr: none). A NeoX pair goes one half at a time, after
-  /// the other half's stores (which the table loads cannot pass), so only one half's float32
-  /// results are live at once under the 64-register cap.
-  __device__ __forceinline__ void emit_unit_fp8(const float* cos_row, const float* sin_row, int j,
-                                                Raw a, Raw b, Bits* raw_head, uint8_t* fp8_head,
-                                                float scale) const {
-    const int first = unit_first(j);
-    if (j >= pairs_per_head) {  // past rotary_dim: copied, and quantised from the input
-      if (raw_head != nullptr) IO::store(raw_head + first, a);
-      if (fp8_head != nullptr) {
-        float f[kVec];
-        IO::to_float(a, f);
-        if constexpr (std::is_same_v<E, F16>) IO::keep_nan_signs(a, f);
-        Fp8::store(fp8_head + first, Fp8::quantize(f, scale));
-      }
-      return;
-    }
-    if constexpr (kInterleaved && kVec > 1) {
-      float o[kVec];
-      rotate_in_vector(cos_row, sin_row, j, a, o);
-      if (raw_head != nullptr) IO::store(raw_head + first, IO::from_float(o));
-      if (fp8_head != nullptr) Fp8::store(fp8_head + first, Fp8::quantize(o, scale));
-    } else {
-      // Pair element i turns by frequency j * kVec + i (NeoX) or j (scalar GPT-J).
-      float xa[kVec], xb[kVec];
-      IO::to_float(a, xa);
-      IO::to_float(b, xb);
-      const float* ct = cos_row + j * kVec;
-      const float* st = sin_row + j * kVec;
-#pragma unroll
-      for (int second = 0; second < 2; ++second) {
-        float c[kVec], s[kVec], o[kVec];
-        if constexpr (kVec % 4 == 0) {
-#pragma unroll
-          for (int i = 0; i < kVec; i += 4) {
-            const float4 c4 = *reinterpret_cast<const float4*>(ct + i);
-            const float4 s4 = *reinterpret_cast<const float4*>(st + i);
-            c[i] = c4.x, c[i + 1] = c4.y, c[i + 2] = c4.z, c[i + 3] = c4.w;
-            s[i] = s4.x, s[i + 1] = s4.y, s[i + 2] = s4.z, s[i + 3] = s4.w;
-          }
-        } else {
-#pragma unroll
-          for (int i = 0; i < kVec; ++i) c[i] = ct[i], s[i] = st[i];
-        }
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) o[i] = second ? xa[i] * s[i] + xb[i] * c[i] : xa[i] * c[i] - xb[i] * s[i];
-        const int at = first + (second ? partner() : 0);
-        if (raw_head != nullptr) IO::store(raw_head + at, IO::from_float(o));
-        if (fp8_head != nullptr) Fp8::store(fp8_head + at, Fp8::quantize(o, scale));
-      }
-    }
-  }
-
   /// Stores unit j of floats (fa, fb) as e4m3(x / scale) at `head` (an e4m3 head row).
   __device__ __forceinline__ void store_unit_fp8(uint8_t* head, int j, const float (&fa)[kVec],
-                                                 const float (&fb)[kVec], float scale) const {
+                                                 const float (&fb)[kVec], const Fp8Divisor& scale) const {
     const int first = unit_first(j);
     Fp8::store(head + first, Fp8::quantize(fa, scale));
     if (kTwoAccesses && j < pairs_per_head) Fp8::store(head + first + partner(), Fp8::quantize(fb, scale));
@@ -481,7 +430,7 @@ struct HeadOps {
 
   __device__ __forceinline__ void finish_q(int64_t t, int chunk, const float* cos_row,
                                            const float* sin_row, Raw (&stage)[kStage],
-                                           float q_scale = 1.0f) const {
+                                           const Fp8Divisor* q_scale = nullptr) const {
     Cursor c = q_first(chunk);
 #pragma unroll
     for (int i = 0; i < kQUnits; ++i, advance(c, units)) {
@@ -491,7 +440,7 @@ struct HeadOps {
         float fa[kVec], fb[kVec];
         rotate_unit_float(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1], fa, fb);
         store_unit_fp8(static_cast<uint8_t*>(p.q_out) + t * p.qo_row + c.head * p.qo_head, c.j, fa,
-                       fb, q_scale);
+                       fb, *q_scale);
       } else {
         rotate_unit(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1]);
         store_unit(static_cast<Bits*>(p.q_out) + t * p.qo_row + c.head * p.qo_head, c.j,
@@ -566,31 +515,21 @@ struct HeadOps {
 
   __device__ __forceinline__ void finish_kv(int64_t t, const float* cos_row, const float* sin_row,
                                             int round, const PoolRow& row, bool to_pool,
-                                            Raw (&stage)[kStage], float k_scale = 1.0f,
-                                            float v_scale = 1.0f) const {
+                                            Raw (&stage)[kStage],
+                                            const Fp8Divisor* kv_scales = nullptr) const {
     Cursor c = k_first(round);
 #pragma unroll
     for (int i = 0; i < kKUnits; ++i, advance(c, units)) {
       if (c.head >= p.num_kv_heads) continue;
       if constexpr (kFp8Pool) {
-        // k_pool from the rotated float32 values, before they are rounded to q's dtype. One
-        // half of a pair at a time spills less for bfloat16 inputs, more for the others
-        // (ptxas -v at the 64-register cap).
-        if constexpr (std::is_same_v<E, BF16>) {
-          emit_unit_fp8(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1],
-                        static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head,
-                        to_pool ? static_cast<uint8_t*>(p.k_pool) + k_row_offset(row) + c.head * p.kp_head
-                                : nullptr,
-                        k_scale);
-        } else {
-          float fa[kVec], fb[kVec];
-          rotate_unit_float(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1], fa, fb);
-          store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j,
-                     stage[2 * i], stage[2 * i + 1]);
-          if (to_pool)
-            store_unit_fp8(static_cast<uint8_t*>(p.k_pool) + k_row_offset(row) + c.head * p.kp_head, c.j,
-                           fa, fb, k_scale);
-        }
+        // k_pool from the rotated float32 values, before they are rounded to q's dtype.
+        float fa[kVec], fb[kVec];
+        rotate_unit_float(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1], fa, fb);
+        store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j,
+                   stage[2 * i], stage[2 * i + 1]);
+        if (to_pool)
+          store_unit_fp8(static_cast<uint8_t*>(p.k_pool) + k_row_offset(row) + c.head * p.kp_head, c.j,
+                         fa, fb, kv_scales[0]);
       } else {
         rotate_unit(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1]);
         store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j,
@@ -610,7 +549,7 @@ struct HeadOps {
         IO::to_float(stage[2 * kKUnits + i], f);
         if constexpr (std::is_same_v<E, F16>) IO::keep_nan_signs(stage[2 * kKUnits + i], f);
         Fp8::store(static_cast<uint8_t*>(p.v_pool) + v_row_offset(row) + c.head * p.vp_head + c.j * kVec,
-                   Fp8::quantize(f, v_scale));
+                   Fp8::quantize(f, kv_scales[1]));
       } else {
         IO::store(static_cast<Bits*>(p.v_pool) + v_row_offset(row) + c.head * p.vp_head + c.j * kVec,
                   stage[2 * kKUnits + i]);
@@ -676,7 +615,10 @@ struct ParamTouch {
 
 // At most 64 registers (launch bounds 256 x 4): 32 resident warps per SM instead of 25 at
 // the unconstrained 74-80, i.e. more loads in flight for the bandwidth-bound large calls
-// (docs/CUDA.md), at the price of 8 bytes of spills on a few generic paths.
+// (docs/CUDA.md), at the price of 8 bytes of spills on a few generic paths. The fp8 pools
+// with q_out in q's dtype take 80 (256 x 3): at 64 their float32 k values and e4m3 divisions
+// spilled 50-70 bytes, and the spill-free kernel measured faster at every T on the H200 (an
+// fp8 q_out as well measured faster at 64, spills and all).
 //
 // CTA b handles token b. Items: the kv item (all kv rounds), then the q chunks; warp w takes
 // items w, w + warps, ... Everything that reads no global memory (the first item's addresses;
@@ -685,10 +627,10 @@ struct ParamTouch {
 // chain of latencies (the measured timeline is in docs/NOTES.md).
 //
 // kPool (PoolVariant bits, 0 for the seed's pools) adds, per token: the page/row of its slot
-// (kv warp, once), and the fp8 scales, loaded right after the wait by threads 0-2 and shared
-// through the first 16 bytes of shared memory.
+// (kv warp, once), and the fp8 scales, loaded right after the wait by threads 0-2 and shared,
+// prepared for division (Fp8Divisor), through the first 48 bytes of shared memory.
 template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool = 0>
-__global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
+__global__ void __launch_bounds__(kMaxWarpsPerCta * 32, kPool == (kPoolPaged | kPoolFp8) ? 3 : 4)
     rope_pool_token_kernel(const __grid_constant__ KernelParams<kFreqCap, kPool != 0> p) {
   using Ops = HeadOps<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool>;
   using Raw = typename Ops::Raw;
@@ -703,10 +645,10 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
 
   const int64_t t = blockIdx.x;
   const int half = ops.half;
-  // kPool != 0: k_scale, v_scale, q_scale in bytes 0-11, the kv warp's pool row offsets in
-  // bytes 16-31 (PoolRowSlot), then the table.
-  float* const scales = reinterpret_cast<float*>(shared);
-  float* cos_row = reinterpret_cast<float*>(shared) + (kPool != 0 ? 8 : 0);
+  // kPool != 0: k_scale, v_scale, q_scale prepared for division (Fp8Divisor) in bytes 0-47,
+  // the kv warp's pool row offsets in bytes 48-63 (PoolRow), then the table.
+  Fp8Divisor* const divisors = reinterpret_cast<Fp8Divisor*>(shared);
+  float* cos_row = reinterpret_cast<float*>(shared) + (kPool != 0 ? kPoolSharedBytes / 4 : 0);
   float* sin_row = cos_row + half;
   // kPoolWriteScan: every slot of the call (T <= kMaxScanTokens) as stored (int32 or int64),
   // after the table (2 * half floats: the slots start 8-byte aligned).
@@ -758,7 +700,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
                    &sin_row[e]);
   }
   if constexpr (kScales) {
-    if (e0 < 3) scales[e0] = scale;
+    if (e0 < 3) divisors[e0] = fp8_divisor(scale);
   }
   if (scan) cp_async_wait_all();
   __syncthreads();
@@ -776,7 +718,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
         to_pool = !__any_sync(0xffffffffu, later);
       }
       typename Ops::PoolRow row{slot, nullptr};
-      if constexpr (kPool != 0) row = ops.pool_row(slot, reinterpret_cast<int64_t*>(shared) + 2);
+      if constexpr (kPool != 0) row = ops.pool_row(slot, reinterpret_cast<int64_t*>(shared) + 6);
       // Lock mode: taken after the loads are in flight, after the barrier (no warp holds a
       // lock across it), released after the row's last store.
       unsigned int* lock = nullptr;
@@ -787,13 +729,13 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 4)
           lock = slot_lock(slot);
           lock_row(lock, ops.lane);  // after the loads are in flight
         }
-        if constexpr (Ops::kFp8Pool) ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, scales[0], scales[1]);
+        if constexpr (Ops::kFp8Pool) ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, divisors);
         else ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage);
       }
       if (lock != nullptr) unlock_row(lock, ops.lane);
     } else {
       if (!prefetched) ops.load_q(ops.q_sources(t, item - 1), stage);
-      if constexpr (Ops::kFp8QOut) ops.finish_q(t, item - 1, cos_row, sin_row, stage, scales[2]);
+      if constexpr (Ops::kFp8QOut) ops.finish_q(t, item - 1, cos_row, sin_row, stage, divisors + 2);
       else ops.finish_q(t, item - 1, cos_row, sin_row, stage);
     }
   }

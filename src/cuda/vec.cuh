@@ -192,20 +192,78 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
 #endif
 }
 
-/// e4m3fn bytes of x[i] / scale, i < kN, packed little-endian: the quotient in float32 with
-/// IEEE round-to-nearest division (__fdiv_rn: not a reciprocal multiply, which differs on rare
-/// ties), then e4m3x2. Every result keeps the sign of the exact quotient (sign(x) ^ sign(scale)):
-/// a no-op for numbers (the conversion keeps it), and NaN keeps its sign for a positive scale, as
-/// ropepool::float_to_e4m3(x / scale) does on the host (the GPU division returns one canonical
-/// NaN).
+/// A float32 scale prepared once for many divisions x / scale (SPEC §6), so that each one is
+/// exactly IEEE's round-to-nearest quotient without a division instruction sequence (whose
+/// rarely taken slow path is a subroutine call: under the kernels' 64-register cap the call's
+/// register saves are what spilled). scale = s * 2^-j with |s| in [1, 2) (sign kept): x / scale
+/// = (x * p1 * p2) / s with p1 * p2 = 2^j, and r = RN(1 / s). Zero, infinite and NaN scales
+/// are kept so that every quotient is the IEEE one as well (x / 0 = inf, x / inf = 0, NaN).
+struct Fp8Divisor {
+  float s, r, p1, p2;
+};
+
+__device__ __forceinline__ Fp8Divisor fp8_divisor(float scale) {
+  const uint32_t u = __float_as_uint(scale), sign = u & 0x80000000u;
+  uint32_t a = u & 0x7fffffffu;
+  if (a == 0 || a >= 0x7f800000u) {
+    // 0: r = inf, every quotient comes from x * r (inf, or NaN for x = 0). inf: s = 1, r = 0, so
+    // x / inf = 0 and inf / inf = NaN. NaN: NaN throughout.
+    if (a == 0x7f800000u) return {__uint_as_float(sign | 0x3f800000u), __uint_as_float(sign), 1.0f, 1.0f};
+    return {scale, a == 0 ? __uint_as_float(sign | 0x7f800000u) : scale, 1.0f, 1.0f};
+  }
+  int j = 0;
+  if (a < 0x00800000u) {  // subnormal: times 2^64 (exact) first
+    a = __float_as_uint(__uint_as_float(a) * 0x1p64f);
+    j = 64;
+  }
+  j += 127 - int(a >> 23);  // |scale| * 2^j in [1, 2); j in [-127, 149]
+  const float s = __uint_as_float(sign | 0x3f800000u | (a & 0x007fffffu));
+  // RN(1 / s): an approximate reciprocal refined once is within an ulp or so; of it and its two
+  // neighbours the nearest to 1 / s has the smallest |1 - s * r| (exact through the fma: s and r
+  // have 24 bits and the residual is tiny), and 1 / s is never a midpoint, so no ties.
+  float r0;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(s));
+  r0 = fmaf(r0, fmaf(-s, r0, 1.0f), r0);
+  float best = r0, err = fabsf(fmaf(-s, r0, 1.0f));
+  for (int k = -1; k <= 1; k += 2) {
+    const float c = __uint_as_float(__float_as_uint(r0) + uint32_t(k));
+    const float e = fabsf(fmaf(-s, c, 1.0f));
+    if (e < err) best = c, err = e;
+  }
+  const int j1 = j / 2;  // 2^j1 and 2^(j - j1) are both normal floats
+  return {s, best, __uint_as_float(uint32_t(127 + j1) << 23), __uint_as_float(uint32_t(127 + j - j1) << 23)};
+}
+
+/// RN(x / scale) for a prepared scale, where it decides the e4m3 result. y = x * 2^j is exact
+/// unless it leaves the normal range, and then the quotient is beyond 2^127 or below 2^-126,
+/// which e4m3 saturates or rounds to zero whatever the rounding (the two factors scale in one
+/// direction, so an intermediate overflow or underflow means the final one too). For
+/// |y / s| <= 2^12, y is normal: q0 = RN(y * r) is within two ulps, one Newton step makes it
+/// faithful, and with r = RN(1 / s) the second step gives RN(y / s) (Markstein's theorem; the
+/// residuals fma(-q, s, y) are exact). Beyond 2^12 (or infinite, NaN) q0 itself saturates or
+/// stays NaN in the conversion. The CUDA test checks this against __fdiv_rn on every float32
+/// for many scales.
+__device__ __forceinline__ float fp8_quotient(float x, const Fp8Divisor& d) {
+  const float y = x * d.p1 * d.p2;
+  const float q0 = y * d.r;
+  const float q1 = fmaf(fmaf(-q0, d.s, y), d.r, q0);
+  const float q2 = fmaf(fmaf(-q1, d.s, y), d.r, q1);
+  return fabsf(q0) <= 4096.0f ? q2 : q0;
+}
+
+/// e4m3fn bytes of x[i] / scale, i < kN, packed little-endian: the quotient in float32 as IEEE
+/// round-to-nearest division gives it (fp8_quotient), then e4m3x2. Every result keeps the sign
+/// of the exact quotient (sign(x) ^ sign(scale)): a no-op for numbers (the conversion keeps
+/// it), and NaN keeps its sign for a positive scale, as ropepool::float_to_e4m3(x / scale) does
+/// on the host (the GPU returns one canonical NaN).
 template <int kN>
-__device__ __forceinline__ uint32_t e4m3_quotient(const float* x, float scale) {
+__device__ __forceinline__ uint32_t e4m3_quotient(const float* x, const Fp8Divisor& d) {
   static_assert(kN == 1 || kN == 2 || kN == 4, "up to 4 bytes per word");
-  const uint32_t scale_sign = __float_as_uint(scale);
+  const uint32_t scale_sign = __float_as_uint(d.s);
   uint32_t bytes = 0, signs = 0;
 #pragma unroll
   for (int i = 0; i < kN; i += 2) {
-    const float lo = __fdiv_rn(x[i], scale), hi = kN > 1 ? __fdiv_rn(x[i + 1], scale) : 0.0f;
+    const float lo = fp8_quotient(x[i], d), hi = kN > 1 ? fp8_quotient(x[i + 1], d) : 0.0f;
     bytes |= e4m3x2(lo, hi) << (8 * i);
   }
 #pragma unroll
@@ -220,10 +278,10 @@ struct Fp8IO {
   using Raw = std::conditional_t<kVec == 8, uint2, std::conditional_t<kVec == 4, uint32_t, uint8_t>>;
   static_assert(kVec == 8 || kVec == 4 || kVec == 1, "e4m3 accesses of 8, 4 or 1 bytes");
 
-  static __device__ __forceinline__ Raw quantize(const float (&f)[kVec], float scale) {
-    if constexpr (kVec == 8) return make_uint2(e4m3_quotient<4>(f, scale), e4m3_quotient<4>(f + 4, scale));
-    else if constexpr (kVec == 4) return e4m3_quotient<4>(f, scale);
-    else return uint8_t(e4m3_quotient<1>(f, scale));
+  static __device__ __forceinline__ Raw quantize(const float (&f)[kVec], const Fp8Divisor& d) {
+    if constexpr (kVec == 8) return make_uint2(e4m3_quotient<4>(f, d), e4m3_quotient<4>(f + 4, d));
+    else if constexpr (kVec == 4) return e4m3_quotient<4>(f, d);
+    else return uint8_t(e4m3_quotient<1>(f, d));
   }
   static __device__ __forceinline__ void store(uint8_t* p, Raw r) {
     if constexpr (kVec == 8) {

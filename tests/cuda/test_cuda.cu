@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -1389,27 +1390,28 @@ __global__ void e4m3_every_float(const uint32_t* thr_g, int kind, uint64_t begin
   __shared__ uint32_t thr[128];
   for (int i = threadIdx.x; i < 128; i += blockDim.x) thr[i] = thr_g[i];
   __syncthreads();
+  const cuda::Fp8Divisor one = cuda::fp8_divisor(1.0f);
   for (uint64_t base = begin + (uint64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 8; base < end;
        base += uint64_t(gridDim.x) * blockDim.x * 8) {
     float f[8];
     for (int i = 0; i < 8; ++i) f[i] = __uint_as_float(uint32_t(base + i));
     uint32_t got[8];
     if (kind == 0) {
-      for (int i = 0; i < 8; ++i) got[i] = cuda::e4m3_quotient<1>(f + i, 1.0f);
+      for (int i = 0; i < 8; ++i) got[i] = cuda::e4m3_quotient<1>(f + i, one);
     } else if (kind == 1) {
       for (int i = 0; i < 8; i += 2) {
-        const uint32_t w = cuda::e4m3_quotient<2>(f + i, 1.0f);
+        const uint32_t w = cuda::e4m3_quotient<2>(f + i, one);
         got[i] = w & 0xff, got[i + 1] = w >> 8;
       }
     } else if (kind == 2) {
       for (int i = 0; i < 8; i += 4) {
-        const uint32_t w = cuda::e4m3_quotient<4>(f + i, 1.0f);
+        const uint32_t w = cuda::e4m3_quotient<4>(f + i, one);
         for (int j = 0; j < 4; ++j) got[i + j] = (w >> (8 * j)) & 0xff;
       }
     } else if (kind == 3) {
       float v[8];
       for (int i = 0; i < 8; ++i) v[i] = f[i];
-      const uint2 w = cuda::Fp8IO<8>::quantize(v, 1.0f);
+      const uint2 w = cuda::Fp8IO<8>::quantize(v, one);
       for (int j = 0; j < 4; ++j) got[j] = (w.x >> (8 * j)) & 0xff, got[4 + j] = (w.y >> (8 * j)) & 0xff;
     } else {
       for (int i = 0; i < 8; ++i) got[i] = cuda::e4m3_soft(f[i]);
@@ -1429,13 +1431,79 @@ __global__ void e4m3_every_float(const uint32_t* thr_g, int kind, uint64_t begin
 __global__ void e4m3_quotients(const float* x, const float* scales, int per_scale, size_t n, uint8_t* out8,
                                uint8_t* out1) {
   for (size_t g = blockIdx.x * size_t(blockDim.x) + threadIdx.x; g < n / 8; g += size_t(gridDim.x) * blockDim.x) {
-    const float s = scales[g * 8 / size_t(per_scale)];
+    const cuda::Fp8Divisor d = cuda::fp8_divisor(scales[g * 8 / size_t(per_scale)]);
     float v[8];
     for (int i = 0; i < 8; ++i) v[i] = x[g * 8 + i];
-    const uint2 w = cuda::Fp8IO<8>::quantize(v, s);
+    const uint2 w = cuda::Fp8IO<8>::quantize(v, d);
     for (int j = 0; j < 4; ++j) out8[g * 8 + j] = (w.x >> (8 * j)) & 0xff, out8[g * 8 + 4 + j] = (w.y >> (8 * j)) & 0xff;
-    for (int i = 0; i < 8; ++i) out1[g * 8 + i] = uint8_t(cuda::e4m3_quotient<1>(v + i, s));
+    for (int i = 0; i < 8; ++i) out1[g * 8 + i] = uint8_t(cuda::e4m3_quotient<1>(v + i, d));
   }
+}
+
+/// Every float32 x over one scale: the kernels' quotient (fp8_quotient with fp8_divisor) against
+/// IEEE division (__fdiv_rn). Counts e4m3 bytes that differ (e4m3_quotient<1> against the
+/// conversion of the IEEE quotient with the same sign rule) and, where the quotient decides
+/// the e4m3 result (2^-11 <= |x / scale| <= 2^11), float32 quotients that differ in any bit.
+__global__ void e4m3_division_every_float(float scale, uint64_t begin, uint64_t end, unsigned long long* bad,
+                                          unsigned* first_bad) {
+  const cuda::Fp8Divisor d = cuda::fp8_divisor(scale);
+  for (uint64_t u = begin + uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < end;
+       u += uint64_t(gridDim.x) * blockDim.x) {
+    const float x = __uint_as_float(uint32_t(u));
+    const float want_q = __fdiv_rn(x, scale);
+    const uint32_t sign = ((uint32_t(u) ^ __float_as_uint(scale)) >> 31) << 7;
+    const uint32_t want = (cuda::e4m3x2(want_q, 0.0f) & 0xffu) | sign;
+    const uint32_t got = cuda::e4m3_quotient<1>(&x, d);
+    const float aq = fabsf(want_q);
+    const bool q_differs = aq >= 0x1p-11f && aq <= 2048.0f &&
+                           __float_as_uint(cuda::fp8_quotient(x, d)) != __float_as_uint(want_q);
+    if (got != want || q_differs) {
+      const unsigned long long n = atomicAdd(bad, 1ull);
+      if (n == 0) *first_bad = uint32_t(u);
+    }
+  }
+}
+
+void test_e4m3_division(Rng& rng) {
+  // Scales of every kind: fp8 calibration values, powers of two, mantissas of all ones, the ends
+  // of the normal range, subnormals, and the ones a device tensor could hold by mistake (0,
+  // infinities, NaN, negative).
+  std::vector<float> scales = {1.0f, 0.5f, 0.25f, 1.0f / 3.0f, 0.0375f, 448.0f / 1e6f, 7.0f, 1.1f,
+                               std::nextafter(2.0f, 0.0f), std::nextafter(1.0f, 2.0f), 0x1p-64f, 0x1p64f,
+                               0x1.fffffep-65f, 0x1.000002p64f, 1e-30f, 1e30f, FLT_MIN, FLT_MAX,
+                               std::nextafter(0.0f, 1.0f), 0x1.234p-140f, 0x1.fffffcp-127f, 0.0f, -0.0f,
+                               INFINITY, -INFINITY, NAN, -0.7f};
+  const int extra = g_sanitize ? 0 : 13;
+  for (int i = 0; i < extra; ++i) scales.push_back(std::ldexp(1.0f + float(rng.unit()), int(rng.integer(-20, 20))));
+  // Under the sanitizer: 2^20 patterns from the e4m3 range up, both signs.
+  std::vector<std::pair<uint64_t, uint64_t>> ranges = {{0, uint64_t(1) << 32}};
+  if (g_sanitize) ranges = {{0x3a800000u, 0x3a900000u}, {0xbf800000u, 0xbf900000u}};
+  DeviceBuffer d_bad(8), d_first(4);
+  int failing = 0;
+  std::string first;
+  for (float s : scales) {
+    ROPEPOOL_CUDA_OK(cudaMemset(d_bad.ptr, 0, 8));
+    for (auto [b, e] : ranges)
+      e4m3_division_every_float<<<4096, 256>>>(s, b, e, static_cast<unsigned long long*>(d_bad.ptr),
+                                               static_cast<unsigned*>(d_first.ptr));
+    ROPEPOOL_CUDA_OK(cudaGetLastError());
+    ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
+    unsigned long long n = 0;
+    unsigned u = 0;
+    ROPEPOOL_CUDA_OK(cudaMemcpy(&n, d_bad.ptr, 8, cudaMemcpyDeviceToHost));
+    ROPEPOOL_CUDA_OK(cudaMemcpy(&u, d_first.ptr, 4, cudaMemcpyDeviceToHost));
+    if (n != 0 && failing++ == 0) {
+      char b[160];
+      std::snprintf(b, sizeof b, "; first: scale %a, %llu x differ, e.g. x = 0x%08x", double(s), n, u);
+      first = b;
+    }
+  }
+  const std::string what = std::string("x / scale as the kernels divide, against IEEE division on ") +
+                           (g_sanitize ? "2 x 2^20" : "every") + " float32 x, " +
+                           std::to_string(scales.size()) + " scales (0, inf, NaN, subnormal included): " +
+                           std::to_string(failing) + " scales differ" + first;
+  expect(failing == 0, what);
+  std::printf("  %-4s %s\n", failing == 0 ? "ok" : "FAIL", what.c_str());
 }
 
 void test_e4m3_conversion(Rng& rng) {
@@ -1527,6 +1595,7 @@ void test_e4m3_conversion(Rng& rng) {
 
 void test_pools(Rng& rng) {
   test_e4m3_conversion(rng);
+  test_e4m3_division(rng);
   test_paged_layouts(rng);
   test_combined_caches(rng);
   test_fp8_pools(rng);
