@@ -5,6 +5,7 @@ One command, one process, one table:
 
     python bench/gpu_bench.py                       # default workload, all token counts
     python bench/gpu_bench.py --tokens 1,4096 --json out.json
+    python bench/gpu_bench.py --tokens 1 --cache-tokens '' --fusion-tokens 1,4096   # §7 mostly
 
 Workload (Llama-3-8B attention): bfloat16, num_qo_heads 32, num_kv_heads 8, head_dim 128,
 rope_base 500000; inputs uniform in [-4, 4); int32 positions random below 2^17; int32
@@ -49,6 +50,31 @@ FlashInfer-style combined paged caches [pages, 2, page_size, Hk, D] (NHD) and
 eager and torch.compile of the same math (rotation, e4m3 quantisation, paged index_put_)
 for the fp8 NHD cache. Each variant is checked against the plain bf16 result first.
 
+Fusions (SPEC §7, --fusion-tokens, on by default; --no-fusion skips them): the same cold
+inputs and pools in the workload's shape (Hq 32, Hk 8, D 128 by default: Qwen3-8B's too)
+through
+  plain              ropepool.rope_pool_fused, no §7 keyword
+  qk-norm fused      q_norm_weight and k_norm_weight ("rms", --norm-eps; weights in the
+                     input dtype as Qwen3 ships them, or --norm-weight-dtype float32)
+  qk-norm unfused    two torch RMSNorm calls (q and k, every head, as transformers'
+                     Qwen3RMSNorm computes it), then ropepool's plain call
+  qk-norm compile    torch.compile of the unfused math (norm, rotation, index_copy_); dropped
+                     with a printed note if it does not compile
+  mrope              mrope_section [16, 24, 24] (Qwen2-VL, at D = 128), positions [3, T]
+                     random in every row
+  mrope interleaved  mrope_interleaved with [24, 20, 20] (Qwen3-VL, at D = 128)
+in the three modes above, each by its own bytes: the plain call's, plus 2 D weight
+elements for the norm, plus the normalised q and k written and read back once for the
+unfused sequence (the least its three calls move), plus two more int32 position rows for
+mRoPE. The table gives each variant's share of the copy ceiling over the plain call's at
+the same T, and the fused norm's speedup over the unfused sequence and over torch.compile.
+Checked first, on input set 0 (pool rows bit-identical to k_rot / v, no other row
+changed): plain against eager; the fused norm against the unfused sequence within the
+SPEC §7 tolerance; the unfused sequence against the eager norm + rotation; mRoPE with
+three equal position rows bit-identical to the plain call, and with random rows against
+the eager rotation of each frequency's row. tests/python/test_gpu_bench.py runs these
+checks on the CPU.
+
 Writes full results to --json (default $OUT/gpu_bench.json when $OUT is set) and prints a
 short table last.
 """
@@ -56,6 +82,7 @@ short table last.
 from __future__ import annotations
 
 import argparse
+import copy
 import faulthandler
 import json
 import math
@@ -66,7 +93,8 @@ import time
 
 import torch
 
-from torch_reference import make_inv_freq, torch_rope_fp8_paged
+from torch_reference import make_inv_freq, torch_rms_norm, torch_rope_fp8_paged
+from torch_reference import torch_norm_rope_pool as reference_norm_rope_pool
 from torch_reference import torch_rope_pool as reference_rope_pool
 
 try:
@@ -95,11 +123,18 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
     p.add_argument("--cache-tokens", default="1,64,256,4096,65536",
                    help="token counts of the cache-format section ('' to skip it)")
+    p.add_argument("--fusion-tokens", default="1,64,256,4096,16384,65536",
+                   help="token counts of the SPEC §7 fusion section ('' to skip it)")
+    p.add_argument("--no-fusion", action="store_true", help="skip the SPEC §7 fusion section")
+    p.add_argument("--norm-weight-dtype", choices=("input", "float32"), default="input",
+                   help="q/k norm weights in the input dtype (as Qwen3 ships them) or float32")
+    p.add_argument("--norm-eps", type=float, default=1e-6, help="the norm's eps (Qwen3: 1e-6)")
     p.add_argument("--seed", type=int, default=20240601)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
     args.tokens = [int(t) for t in args.tokens.split(",") if t]
     args.cache_tokens = [int(t) for t in args.cache_tokens.split(",") if t]
+    args.fusion_tokens = [int(t) for t in args.fusion_tokens.split(",") if t and not args.no_fusion]
     if args.json is None and os.environ.get("OUT"):
         args.json = os.path.join(os.environ["OUT"], "gpu_bench.json")
     return args
@@ -112,14 +147,23 @@ def torch_rope_pool(q, k, v, positions, slots, k_pool, v_pool, inv_freq64):
                                skip_negative_slots=False)
 
 
+def torch_norm_rope_pool(q, k, v, positions, slots, k_pool, v_pool, inv_freq64, q_norm_weight,
+                         k_norm_weight, eps):
+    """The torch.compile contender of the fusion section: the unfused QK-norm sequence in
+    torch alone, every slot >= 0 (as torch_rope_pool above)."""
+    return reference_norm_rope_pool(q, k, v, positions, slots, k_pool, v_pool, inv_freq64,
+                                    q_norm_weight, k_norm_weight, eps, skip_negative_slots=False)
+
+
 # --- workload ----------------------------------------------------------------------------------
 
 class Workload:
     """N input sets for T tokens in one buffer per argument (set i is rows [iT, (i+1)T)), and
     the two pools every call writes into."""
 
-    def __init__(self, T, args, gen, l2_bytes, min_sets=2, fused_qkv=False):
+    def __init__(self, T, args, gen, l2_bytes, min_sets=2, fused_qkv=False, device="cuda"):
         self.T = T
+        self.device = device
         self.dtype = DTYPES[args.dtype]
         Hq, Hk, D = args.num_qo_heads, args.num_kv_heads, args.head_dim
         self.shape = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk, rope_base=args.rope_base)
@@ -131,7 +175,7 @@ class Workload:
         set_bytes = T * D * es * (Hq + 2 * Hk) + 2 * 4 * T
         self.n_sets = max(min_sets, math.ceil(args.l2_multiple * l2_bytes / set_bytes))
         self.cold_bytes = self.n_sets * set_bytes
-        n, dev = self.n_sets * T, "cuda"
+        n, dev = self.n_sets * T, device
 
         def uniform(*shape):
             return (torch.rand(*shape, generator=gen, device=dev) * 8 - 4).to(self.dtype)
@@ -155,50 +199,79 @@ class Workload:
 
     def _views(self, i):
         r = slice(i * self.T, (i + 1) * self.T)
-        return (self.q[r], self.k[r], self.v[r], self.positions[r], self.slots[r],
+        # mRoPE positions are [sets, 3, T]: every set's [3, T] contiguous, as a model's are
+        positions = self.positions[i] if self.positions.dim() == 3 else self.positions[r]
+        return (self.q[r], self.k[r], self.v[r], positions, self.slots[r],
                 self.k_pool, self.v_pool)
+
+    def with_positions(self, positions):
+        """The same input sets and pools with other positions: [sets * T], or [sets, 3, T]
+        for mRoPE."""
+        other = copy.copy(self)
+        other.positions = positions
+        other._sets = [other._views(i) for i in range(self.n_sets)]
+        return other
 
     def args_of(self, i):
         return self._sets[i % self.n_sets]
 
 
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+
+
+def pair_sum(x):
+    """|a| + |b| of every element's NeoX pair, in float64: the scale of SPEC §1's float32 term."""
+    x = x.double().abs()
+    h = x.shape[-1] // 2
+    s = x[..., :h] + x[..., h:]
+    return torch.cat((s, s), dim=-1)
+
+
+def rotation_problems(what, got, want, x, slack=0.0):
+    """got within 2 ulp of want, plus 2^-17 (|a| + |b|) of the rotated input x, plus `slack`
+    (a number, or a tensor like got): a list of one problem, or none."""
+    g, e = got.double(), want.double()
+    # SPEC §1's float32 term twice over: the eager references round in float32 too
+    bound = (2.0 ** (1 - MANTISSA_BITS[want.dtype]) * torch.maximum(g.abs(), e.abs())
+             + 2.0 ** -17 * pair_sum(x) + slack)
+    nbad = int((~((g - e).abs() <= bound)).sum())
+    return [f"{what}: {nbad} elements outside the bound"] if nbad else []
+
+
+def call_and_restore(w, fn, a):
+    """fn(*a), then the pools put back as they were: (fn's outputs, problems of its pool
+    writes: the rows the slots name hold k_rot / v bit for bit, every other row unchanged)."""
+    k0, v0 = w.k_pool.clone(), w.v_pool.clone()
+    out = fn(*a)
+    rows = a[4].to(torch.int64)
+    problems = []
+    if not (torch.equal(w.k_pool[rows], out[1]) and torch.equal(w.v_pool[rows], a[2])):
+        problems.append("pool rows are not bit-identical to k_rot / v")
+    untouched = torch.ones(w.P, dtype=torch.bool, device=w.k_pool.device)
+    untouched[rows] = False
+    if not (torch.equal(w.k_pool[untouched], k0[untouched])
+            and torch.equal(w.v_pool[untouched], v0[untouched])):
+        problems.append("pool rows no token names changed")
+    w.k_pool.copy_(k0)
+    w.v_pool.copy_(v0)
+    return out, problems
+
+
 def check(w, compiled):
     """ropepool vs eager on set 0: returns (problems, notes)."""
-    problems, notes = [], []
     a = w.args_of(0)
-    k0, v0 = w.k_pool.clone(), w.v_pool.clone()
-    r = ropepool.rope_pool_fused(*a, **w.shape)
-    r_kp, r_vp = w.k_pool.clone(), w.v_pool.clone()
-    w.k_pool.copy_(k0)
-    w.v_pool.copy_(v0)
-    t = torch_rope_pool(*a, w.inv_freq64)
-    t_vp = w.v_pool.clone()
-    w.k_pool.copy_(k0)
-    w.v_pool.copy_(v0)
+    r, problems = call_and_restore(w, lambda *x: ropepool.rope_pool_fused(*x, **w.shape), a)
+    problems = [f"ropepool: {p}" for p in problems]
+    t, _ = call_and_restore(w, lambda *x: torch_rope_pool(*x, w.inv_freq64), a)
+    notes = []
     if compiled is not None:
         # Inductor may contract into FMAs: informational, not a failure of ropepool.
-        c = compiled(*a, w.inv_freq64)
+        c, _ = call_and_restore(w, lambda *x: compiled(*x, w.inv_freq64), a)
         if not (torch.equal(c[0], t[0]) and torch.equal(c[1], t[1])):
             d = (c[0].float() - t[0].float()).abs().max().item()
             notes.append(f"torch.compile output differs from eager by up to {d:.3g}")
-        w.k_pool.copy_(k0)
-        w.v_pool.copy_(v0)
-    mant = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[w.dtype]
-    for name, x, y in (("q_rot", r[0], t[0]), ("k_rot", r[1], t[1])):
-        x64, y64 = x.double(), y.double()
-        bound = 2.0 ** (1 - mant) * torch.maximum(x64.abs(), y64.abs()) + 2.0 ** -17 * 8
-        nbad = int((~((x64 - y64).abs() <= bound)).sum())
-        if nbad:
-            problems.append(f"{name}: {nbad} elements differ from eager by more than 2 ulp")
-    rows = a[4].to(torch.int64)
-    if not torch.equal(r_kp[rows], r[1]) or not torch.equal(r_vp[rows], a[2]):
-        problems.append("ropepool pool rows are not bit-identical to k_rot / v")
-    untouched = torch.ones(w.P, dtype=torch.bool, device="cuda")
-    untouched[rows] = False
-    if not (torch.equal(r_kp[untouched], k0[untouched]) and torch.equal(r_vp[untouched], v0[untouched])):
-        problems.append("ropepool changed pool rows no token names")
-    if not torch.equal(t_vp, r_vp):
-        problems.append("v_pool differs between ropepool and eager")
+    problems += rotation_problems("q_rot vs eager", r[0], t[0], a[0])
+    problems += rotation_problems("k_rot vs eager", r[1], t[1], a[1])
     return problems, notes
 
 
@@ -500,6 +573,227 @@ def print_cache_table(rows):
                       f"{r[f'{name}_b2b_us']:>8.2f} {(f'{g:.2f}' if g is not None else '-'):>8}")
 
 
+# --- fusions (SPEC §7) ------------------------------------------------------------------------
+
+# name, what runs ("ropepool": one call with the variant's keywords; "unfused": torch RMSNorm of
+# q and of k, then ropepool's plain call; "compile": torch.compile of the unfused math), QK norm,
+# mRoPE (None, or the model whose sections it takes)
+FUSION_VARIANTS = (
+    ("plain", "ropepool", False, None),
+    ("qk-norm fused", "ropepool", True, None),
+    ("qk-norm unfused", "unfused", True, None),
+    ("qk-norm compile", "compile", True, None),
+    ("mrope", "ropepool", False, "qwen2-vl"),
+    ("mrope interleaved", "ropepool", False, "qwen3-vl"),
+)
+
+
+def mrope_section(model, rotary_dim):
+    """The model's mrope_section: Qwen2-VL [16, 24, 24] and Qwen3-VL (interleaved) [24, 20, 20]
+    at rotary_dim 128, in the same proportions at another head size."""
+    half = rotary_dim // 2
+    s_hw = (half - half // 4) // 2 if model == "qwen2-vl" else 5 * half // 16
+    return [half - 2 * s_hw, s_hw, s_hw]
+
+
+class FusionVariant:
+    """One row of the fusion section: its call on the workload's input sets (`self.w`, the
+    workload itself or, for mRoPE, the same sets with random [3, T] positions) and its own
+    bytes."""
+
+    def __init__(self, spec, w, gen, args, compiled_norm=None):
+        self.name, self.kind, norm, self.mrope = spec
+        Hq, Hk, D = (w.shape[n] for n in ("num_qo_heads", "num_kv_heads", "head_dim"))
+        T = w.T
+        self.w, self.bytes, self.kwargs = w, w.bytes, dict(w.shape)
+        self.compiled_norm = compiled_norm
+        if norm:
+            w_dtype = w.dtype if args.norm_weight_dtype == "input" else torch.float32
+            # learned norm weights scatter about 1
+            self.q_norm_weight, self.k_norm_weight = (
+                (torch.rand(D, generator=gen, device=w.device) + 0.5).to(w_dtype) for _ in range(2))
+            self.norm_eps = args.norm_eps
+            self.bytes += 2 * D * self.q_norm_weight.element_size()
+            if self.kind == "ropepool":
+                self.kwargs.update(q_norm_weight=self.q_norm_weight,
+                                   k_norm_weight=self.k_norm_weight, norm_eps=self.norm_eps)
+            elif self.kind == "unfused":  # the normalised q and k, written and read back once
+                self.bytes += 2 * T * (Hq + Hk) * D * w.q.element_size()
+        if self.mrope:
+            self.section = mrope_section(self.mrope, D)
+            self.interleaved = self.mrope == "qwen3-vl"
+            self.kwargs.update(mrope_section=self.section, mrope_interleaved=self.interleaved)
+            self.w = w.with_positions(torch.randint(0, 1 << 17, (w.n_sets, 3, T), generator=gen,
+                                                    device=w.device, dtype=torch.int32))
+            self.bytes += 2 * 4 * T  # two more int32 position rows
+        self.call = {"ropepool": self._ropepool, "unfused": self._unfused,
+                     "compile": self._compiled}[self.kind]
+
+    def _ropepool(self, *a):
+        return ropepool.rope_pool_fused(*a, **self.kwargs)
+
+    def _unfused(self, q, k, v, positions, slots, k_pool, v_pool):
+        return ropepool.rope_pool_fused(torch_rms_norm(q, self.q_norm_weight, self.norm_eps),
+                                        torch_rms_norm(k, self.k_norm_weight, self.norm_eps),
+                                        v, positions, slots, k_pool, v_pool, **self.kwargs)
+
+    def _compiled(self, *a):
+        return self.compiled_norm(*a, self.w.inv_freq64, self.q_norm_weight, self.k_norm_weight,
+                                  self.norm_eps)
+
+    def eager_norm(self, *a):
+        """The torch reference of the norm variants: norm, rotation, index_copy_."""
+        return reference_norm_rope_pool(*a, self.w.inv_freq64, self.q_norm_weight,
+                                        self.k_norm_weight, self.norm_eps)
+
+
+def check_fusion_variant(var):
+    """The variant on input set 0 against an independent result: (problems, notes)."""
+    w = var.w
+    a = w.args_of(0)
+    out, problems = call_and_restore(w, var.call, a)
+    notes = []
+    if var.kind == "compile":
+        # Inductor may contract into FMAs: informational, not a failure of ropepool.
+        want, _ = call_and_restore(w, var.eager_norm, a)
+        for i, what in ((0, "q_rot"), (1, "k_rot")):
+            if not torch.equal(out[i], want[i]):
+                d = (out[i].float() - want[i].float()).abs().max().item()
+                notes.append(f"torch.compile {what} differs from eager by up to {d:.3g}")
+        return [], notes + [f"torch.compile: {p}" for p in problems]
+    if var.mrope:
+        # SPEC §7: three equal position rows give exactly the bits of the plain call.
+        p1 = a[3][0]
+        equal_rows = a[:3] + (p1.expand(3, -1).contiguous(),) + a[4:]
+        got, pool_problems = call_and_restore(w, var.call, equal_rows)
+        plain, _ = call_and_restore(w, lambda *x: ropepool.rope_pool_fused(*x, **w.shape),
+                                    a[:3] + (p1,) + a[4:])
+        problems += pool_problems
+        if not (torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])):
+            problems.append("three equal position rows are not bit-identical to the plain call")
+        want, _ = call_and_restore(w, lambda *x: reference_rope_pool(
+            *x, w.inv_freq64, mrope_section=var.section, mrope_interleaved=var.interleaved), a)
+        x = a[0], a[1]
+        slack = 0.0
+    elif var.kind == "unfused":
+        want, _ = call_and_restore(w, var.eager_norm, a)
+        x = (torch_rms_norm(a[0], var.q_norm_weight, var.norm_eps),
+             torch_rms_norm(a[1], var.k_norm_weight, var.norm_eps))
+        slack = 0.0
+    elif "q_norm_weight" in var.kwargs:  # fused against the unfused sequence
+        unfused = copy.copy(var)  # the same weights, the plain call's keywords
+        unfused.kwargs = dict(w.shape)
+        want, _ = call_and_restore(w, unfused._unfused, a)
+        x = (torch_rms_norm(a[0], var.q_norm_weight, var.norm_eps),
+             torch_rms_norm(a[1], var.k_norm_weight, var.norm_eps))
+        # SPEC §7: where the float32 mean (its summation order) moves x * rsqrt(...) across a
+        # rounding midpoint, the normalised value differs by one ulp, which w scales and the
+        # rotation carries into both elements of the pair (float32: 2^-20 relative on every
+        # element); on CUDA the norm kernel may contract the rotation into FMAs unlike the
+        # plain kernel: one float32 ulp of the products, at most twice the head's largest value.
+        mant = MANTISSA_BITS[w.dtype]
+        norm_rel = 2.0 ** (1 - mant) if mant < 23 else 2.0 ** -19
+        slack = [norm_rel * pair_sum(y) + 2.0 ** -22 * y.double().abs().amax(-1, keepdim=True)
+                 for y in x]
+    else:  # plain
+        want, _ = call_and_restore(w, lambda *x: torch_rope_pool(*x, w.inv_freq64), a)
+        x = a[0], a[1]
+        slack = 0.0
+    reference = "the unfused sequence" if "q_norm_weight" in var.kwargs else "eager"
+    for i, what in ((0, "q_rot"), (1, "k_rot")):
+        problems += rotation_problems(f"{what} vs {reference}", out[i], want[i], x[i],
+                                      slack[i] if isinstance(slack, list) else slack)
+        differ = int((out[i] != want[i]).sum())
+        if differ and reference != "eager":  # how often the norm's rounding moved (SPEC §7)
+            notes.append(f"{what}: {differ} of {out[i].numel()} elements differ from {reference}")
+    return problems, notes
+
+
+def fusion_section(args, gen, l2, copy_bps, compiled_norm):
+    """Every FUSION_VARIANTS entry at each --fusion-tokens T, on the same cold input sets."""
+    out = []
+    for T in args.fusion_tokens:
+        with_graph = T <= args.graph_max_tokens
+        w = Workload(T, args, gen, l2, min_sets=CALLS_PER_BATCH if with_graph else 2)
+        at_T = {}
+        for spec in FUSION_VARIANTS:
+            if spec[1] == "compile" and compiled_norm is None:
+                continue
+            var = FusionVariant(spec, w, gen, args, compiled_norm)
+            row = dict(T=T, variant=var.name, bytes=var.bytes)
+            t0 = time.perf_counter()
+            try:
+                row["problems"], row["notes"] = check_fusion_variant(var)
+                warm_up(var.call, var.w)
+            except Exception as e:  # noqa: BLE001 (torch.compile of the unfused math)
+                if var.kind != "compile":
+                    raise
+                row["compile_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                compiled_norm = None  # not retried at the next T
+                print(f"torch.compile contender dropped: {row['compile_error']}", flush=True)
+                torch.cuda.synchronize()
+                out.append(row)
+                continue
+            if var.kind == "compile":
+                row["compile_warmup_s"] = time.perf_counter() - t0
+            t, row["call_host_bound"] = time_per_call(var.call, var.w, args.samples, start=3)
+            row["call_us"] = t * 1e6
+            t, row["b2b_host_bound"] = time_back_to_back(var.call, var.w, args.samples)
+            row["b2b_us"] = t * 1e6
+            if with_graph:
+                t, row["graph_host_bound"], _ = time_graph(var.call, var.w, args.samples)
+                row["graph_us"] = t * 1e6
+            for mode in ("call", "b2b"):
+                row[f"pct_copy_{mode}"] = 100 * var.bytes / (row[f"{mode}_us"] * 1e-6) / copy_bps
+            at_T[var.name] = row
+            out.append(row)
+            print(json.dumps(row), flush=True)
+            del var
+            torch.cuda.empty_cache()
+        # the issue's targets: each share of the copy ceiling over the plain call's, and the
+        # fused norm's speedup over the unfused sequence (and torch.compile of it)
+        plain, fused = at_T.get("plain"), at_T.get("qk-norm fused")
+        for row in at_T.values() if plain is not None else ():
+            for mode in ("call", "b2b"):
+                row[f"share_vs_plain_{mode}"] = row[f"pct_copy_{mode}"] / plain[f"pct_copy_{mode}"]
+        for other, key in (("qk-norm unfused", "unfused"), ("qk-norm compile", "compile")):
+            theirs = at_T.get(other, {})
+            for mode in MODES:
+                if fused is not None and f"{mode}_us" in theirs:
+                    fused[f"speedup_vs_{key}_{mode}"] = theirs[f"{mode}_us"] / fused[f"{mode}_us"]
+        del w
+        torch.cuda.empty_cache()
+    return out
+
+
+def print_fusion_table(rows):
+    if not rows:
+        return
+    print()
+    print("fusions (SPEC §7): GPU us per call (call / b2b / graph), % of the copy ceiling by each "
+          "variant's own bytes, that share over the plain call's at the same T (call / b2b), and "
+          "the fused norm's speedup over the unfused sequence and torch.compile of it")
+    print(f"{'T':>6} {'variant':<18} {'call':>8} {'b2b':>8} {'graph':>8} {'%copy call':>10} "
+          f"{'%copy b2b':>9} {'share/plain':>13}  check")
+    for r in rows:
+        if "call_us" not in r:
+            print(f"{r['T']:>6} {r['variant']:<18} dropped: {r.get('compile_error', '')}")
+            continue
+        g = r.get("graph_us")
+        share = (f"{r['share_vs_plain_call']:.3f} / {r['share_vs_plain_b2b']:.3f}"
+                 if "share_vs_plain_b2b" in r else "-")
+        print(f"{r['T']:>6} {r['variant']:<18} {r['call_us']:>8.2f} {r['b2b_us']:>8.2f} "
+              f"{(f'{g:.2f}' if g is not None else '-'):>8} {r['pct_copy_call']:>10.1f} "
+              f"{r['pct_copy_b2b']:>9.1f} {share:>13}  {'; '.join(r['problems']) or 'ok'}")
+        for key in ("unfused", "compile"):
+            speedups = [f"{r[f'speedup_vs_{key}_{m}']:.2f}x {m}" for m in MODES
+                        if f"speedup_vs_{key}_{m}" in r]
+            if speedups:
+                print(f"{'':>6}   fused vs {key}: {', '.join(speedups)}")
+        for note in r["notes"]:
+            print(f"{'':>6}   note: {note}")
+
+
 # --- main --------------------------------------------------------------------------------------
 
 MODES = ("call", "b2b", "graph")
@@ -610,12 +904,21 @@ def main(argv=None):
         cache_rows = cache_formats(args, gen, l2, copy_bps, compiled_fp8)
         problems_all += [f"T={r['T']} {r['variant']}: {p}" for r in cache_rows for p in r["problems"]]
 
+    fusion_rows = []
+    if have_ropepool and args.fusion_tokens:
+        compiled_norm = None if args.no_compile else torch.compile(
+            torch_norm_rope_pool, fullgraph=True, dynamic=True)
+        fusion_rows = fusion_section(args, gen, l2, copy_bps, compiled_norm)
+        problems_all += [f"T={r['T']} {r['variant']}: {p}" for r in fusion_rows
+                         for p in r.get("problems", [])]
+
     result = dict(device=props.name, torch=torch.__version__, copy_GBps=copy_bps / 1e9,
                   floor_us=floor, l2_bytes=l2, dtype=args.dtype, num_qo_heads=args.num_qo_heads,
                   num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                   rope_base=args.rope_base, pool_rows=args.pool_rows, samples=args.samples,
                   rows=rows, problems=problems_all, ropepool=have_ropepool, layouts=layout_rows,
-                  caches=cache_rows)
+                  caches=cache_rows, fusions=fusion_rows, norm_eps=args.norm_eps,
+                  norm_weight_dtype=args.norm_weight_dtype)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -660,6 +963,7 @@ def print_table(r):
         print(f"T={x['T']} b2b: contiguous q/k/v {x['contiguous_b2b_us']:.2f} us, views into a "
               f"fused QKV buffer {x['fused_qkv_b2b_us']:.2f} us")
     print_cache_table(r.get("caches", []))
+    print_fusion_table(r.get("fusions", []))
     host_bound = [f"T={x['T']} {k[:-len('_host_bound')]}: {x[k]}" for x in rows for k in x
                   if k.endswith("_host_bound") and x[k]]
     if host_bound:

@@ -32,7 +32,8 @@
 #   5. compute-sanitizer on the CUDA test (small grid): memcheck, racecheck, initcheck and
 #      synccheck
 #   6. the C++ benchmark (bench/cuda: the kernel alone, with and without PDL) and
-#      bench/gpu_bench.py (ropepool vs PyTorch eager, torch.compile, copy), and
+#      bench/gpu_bench.py (ropepool vs PyTorch eager, torch.compile, copy; then its SPEC §6
+#      cache-format and SPEC §7 fusion sections at their default token counts), and
 #      bench/gpu_bench_mla.py (mla_rope_pool_fused vs PyTorch eager, copy)
 # Logs go to $OUT (or ./gpu-check-logs): at most 8 files. A summary table is printed last.
 # Exit status: 0 when every step passed.
@@ -225,8 +226,11 @@ else
     run_step "CUDA C++ bench (bench/cuda)" "$LOGS/selftest.log" 300 "$CUDA_BENCH"
   fi
   if [ "$PIP_RC" = 0 ]; then
-    run_step "bench/gpu_bench.py" "$LOGS/bench.log" 360 \
-      bash -c "cd /tmp && OUT='$LOGS' ROPEPOOL_BENCH_WATCHDOG_S=${ROPEPOOL_BENCH_WATCHDOG_S:-300} \
+    # The main table, the cache formats (§6) and the fusions (§7, with a torch.compile build
+    # of its own), one JSON. The watchdog stays below the step's kill, so a hang prints every
+    # thread's stack.
+    run_step "bench/gpu_bench.py" "$LOGS/bench.log" 540 \
+      bash -c "cd /tmp && OUT='$LOGS' ROPEPOOL_BENCH_WATCHDOG_S=${ROPEPOOL_BENCH_WATCHDOG_S:-480} \
         $PY '$ROOT/bench/gpu_bench.py' --json '$LOGS/gpu_bench.json'"
     run_step "bench/gpu_bench_mla.py" "$LOGS/bench.log" 360 \
       bash -c "cd /tmp && $PY '$ROOT/bench/gpu_bench_mla.py'"  # figures in bench.log (8 log files at most)
