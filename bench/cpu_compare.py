@@ -10,15 +10,19 @@ head_dim 128, rope_base 500000), bfloat16, T in 1, 16, 256, 4096, 32768, a pool 
 max(65536, 4T) slots, distinct random slots with ~5% set to -1, random positions below 2^17,
 int32 positions/slots. Both sides run with the same thread count (torch.set_num_threads and
 ropepool.set_num_threads). Small T rotate among several input sets so caches do not
-flatter either side. Calls alternate between the two (ropepool, torch, torch, ropepool, ...)
-so drift in machine load hits both alike. The speedup compares the default calls (both
-allocate their outputs). A last column times ropepool with ``inplace=True`` (q_rot/k_rot
-written into q/k, no allocation) to show what the output allocation costs.
+flatter either side. Calls rotate among the contenders (ropepool, torch, ropepool out=;
+torch, ropepool out=, ropepool; ...) so drift in machine load hits all alike. The speedup
+compares the default calls (both allocate their outputs). Two columns show what the output
+allocation costs: ``out_us`` times ropepool with ``q_out=``/``k_out=`` buffers allocated once
+and reused every call (in the same rotation as the default call; ``alloc/out`` is the
+default call's median over this one), and a last column times ``inplace=True`` (q_rot/k_rot
+written into q/k), after the others because it overwrites q and k.
 
 Before timing, both results are compared: q_rot/k_rot within 2 units in the last place of
 the dtype (each side rounds once from float32, with different float32 sin/cos), every pool
 row the same on both sides (written rows as close as k_rot, v rows and untouched rows
-bit-identical), and ropepool's written k_pool rows bit-identical to its own k_rot.
+bit-identical), ropepool's written k_pool rows bit-identical to its own k_rot, and the
+out= call's q_out/k_out bit-identical to the default call's q_rot/k_rot.
 
     .venv/bin/python bench/cpu_compare.py                 # default workload, all threads
     .venv/bin/python bench/cpu_compare.py --threads 2 --tokens 256,4096 --json out.json
@@ -84,9 +88,11 @@ def parse_args(argv=None):
 
 # --- the two contenders -----------------------------------------------------------------
 
-def ropepool_call(q, k, v, positions, slots, k_pool, v_pool, shape, inplace=False):
+def ropepool_call(q, k, v, positions, slots, k_pool, v_pool, shape, inplace=False, out=None):
     if inplace:
         shape = dict(shape, inplace=True)
+    if out is not None:  # caller-provided q_rot/k_rot buffers
+        shape = dict(shape, q_out=out[0], k_out=out[1])
     return ropepool.rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, **shape)
 
 
@@ -192,6 +198,14 @@ def run_tokens(T, args, dtype, threads, log):
     def run_torch(s):
         return torch_eager(s["q"], s["k"], s["v"], s["positions"], s["slots"], *t_pools, inv_freq64)
 
+    # q_out/k_out: allocated once (and touched once, by the agreement check), reused by
+    # every call, as an engine that keeps its q_rot/k_rot buffers would.
+    out_buffers = (torch.empty(T, Hq, D, dtype=dtype), torch.empty(T, Hk, D, dtype=dtype))
+
+    def run_ropepool_out(s):
+        return ropepool_call(s["q"], s["k"], s["v"], s["positions"], s["slots"], *r_pools, shape,
+                             out=out_buffers)
+
     def run_ropepool_inplace(s):
         # q/k are overwritten with their rotation: timing only (each call rotates again)
         return ropepool_call(s["q"], s["k"], s["v"], s["positions"], s["slots"], *r_pools, shape,
@@ -199,8 +213,16 @@ def run_tokens(T, args, dtype, threads, log):
 
     # Agreement on the first set, before either side has touched the pools.
     log(f"T={T}: checking that ropepool and torch eager agree")
-    problems = check_agreement(sets[0], run_ropepool(sets[0]), run_torch(sets[0]), k_pool0, v_pool0)
+    r_out = run_ropepool(sets[0])
+    problems = check_agreement(sets[0], r_out, run_torch(sets[0]), k_pool0, v_pool0)
     del k_pool0, v_pool0
+    o_out = run_ropepool_out(sets[0])
+    if not (o_out[0] is out_buffers[0] and o_out[1] is out_buffers[1]):
+        problems.append("ropepool with q_out/k_out did not return those buffers")
+    for name, a, b in (("q_rot", r_out[0], out_buffers[0]), ("k_rot", r_out[1], out_buffers[1])):
+        if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):  # bits, NaN included
+            problems.append(f"{name}: the out= call differs from the default call")
+    del r_out, o_out
     if problems:
         return dict(tokens=T, agree=False, problems=problems)
 
@@ -208,12 +230,14 @@ def run_tokens(T, args, dtype, threads, log):
     for s in sets[:3]:  # warm-up
         run_ropepool(s)
         run_torch(s)
-    samples = {run_ropepool: [], run_torch: []}
+        run_ropepool_out(s)
+    contenders = (run_ropepool, run_torch, run_ropepool_out)
+    samples = {fn: [] for fn in contenders}
     start = time.perf_counter()
     i = 0
     while len(samples[run_ropepool]) < args.min_calls or time.perf_counter() - start < args.seconds:
         s = sets[i % n_sets]
-        order = (run_ropepool, run_torch) if i % 2 == 0 else (run_torch, run_ropepool)
+        order = contenders[i % 3:] + contenders[:i % 3]
         for fn in order:
             t0 = time.perf_counter()
             fn(s)
@@ -235,9 +259,12 @@ def run_tokens(T, args, dtype, threads, log):
         return dict(stats, gbps=nbytes / (stats["median_us"] * 1e-6) * 1e-9 if stats["median_us"] else 0.0)
 
     r, t = with_gbps(summarize(samples[run_ropepool])), with_gbps(summarize(samples[run_torch]))
+    o = with_gbps(summarize(samples[run_ropepool_out]))
     return dict(tokens=T, pool_slots=pool_slots, input_sets=n_sets, agree=True, bytes_per_call=nbytes,
-                ropepool=r, torch_eager=t, ropepool_inplace=with_gbps(summarize(inplace_samples)),
-                speedup=t["median_us"] / r["median_us"] if r["median_us"] else float("nan"))
+                ropepool=r, torch_eager=t, ropepool_out=o,
+                ropepool_inplace=with_gbps(summarize(inplace_samples)),
+                speedup=t["median_us"] / r["median_us"] if r["median_us"] else float("nan"),
+                alloc_over_out=r["median_us"] / o["median_us"] if o["median_us"] else float("nan"))
 
 
 def main(argv=None):
@@ -260,7 +287,7 @@ def main(argv=None):
           f"~5% slots -1\n", flush=True)
     header = (f"{'tokens':>7} {'sets':>5} {'calls':>7}  {'ropepool_us':>12} {'(p10-p90)':>19}  "
               f"{'torch_us':>12} {'(p10-p90)':>21}  {'rp GB/s':>8} {'pt GB/s':>8}  {'speedup':>8}  "
-              f"{'inplace_us':>11} {'GB/s':>6}")
+              f"{'out_us':>11} {'(p10-p90)':>19} {'alloc/out':>9}  {'inplace_us':>11} {'GB/s':>6}")
     print(header, flush=True)
 
     results = []
@@ -274,11 +301,13 @@ def main(argv=None):
             for p in res["problems"]:
                 print(f"         {p}")
             continue
-        r, t = res["ropepool"], res["torch_eager"]
+        r, t, o = res["ropepool"], res["torch_eager"], res["ropepool_out"]
         print(f"{T:>7} {res['input_sets']:>5} {r['calls']:>7}  {r['median_us']:>12.2f} "
               f"({r['p10_us']:>8.2f}-{r['p90_us']:>8.2f})  {t['median_us']:>12.2f} "
               f"({t['p10_us']:>9.2f}-{t['p90_us']:>9.2f})  {r['gbps']:>8.2f} {t['gbps']:>8.2f}  "
-              f"{res['speedup']:>7.2f}x  {res['ropepool_inplace']['median_us']:>11.2f} "
+              f"{res['speedup']:>7.2f}x  {o['median_us']:>11.2f} "
+              f"({o['p10_us']:>8.2f}-{o['p90_us']:>8.2f}) {res['alloc_over_out']:>8.2f}x  "
+              f"{res['ropepool_inplace']['median_us']:>11.2f} "
               f"{res['ropepool_inplace']['gbps']:>6.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -1,8 +1,9 @@
-"""The user-facing op: output allocation with the caller's framework, the torch custom op.
+"""The user-facing op: output allocation with the caller's framework, the torch custom ops.
 
 The C++ core (``_ropepool.rope_pool_fused_into``) never allocates and validates every
-argument itself (SPEC §2); this layer only allocates q_rot/k_rot like the inputs, picks the
-CUDA stream, and returns the caller's own pool objects.
+argument itself (SPEC §2); this layer only allocates q_rot/k_rot like the inputs (or takes
+the caller's ``q_out``/``k_out``), picks the CUDA stream, and returns the caller's own
+objects.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def rope_pool_fused(
     attention_scaling: Optional[float] = None,
     schedule: Optional["RopeSchedule"] = None,
     inplace: bool = False,
+    q_out: Any = None,
+    k_out: Any = None,
     check_slots: bool = False,
     kv_layout: Optional[str] = None,
     k_scale: Any = None,
@@ -93,6 +96,13 @@ def rope_pool_fused(
             max_position_embeddings, original_max_position_embeddings and seq_len (passing
             any of them too is an error); rope_base must be the schedule's.
         inplace: write q_rot/k_rot into q and k and return them as q_rot/k_rot.
+        q_out, k_out: caller-provided outputs (either or both; not with ``inplace``): q_rot
+            is written into ``q_out`` (q's shape; q's dtype, or float8_e4m3fn with
+            ``q_out_dtype=float8_e4m3fn``), k_rot into ``k_out`` (k's shape and dtype), and
+            they are returned as q_rot/k_rot (the very objects). Same framework and device
+            as q, any strides with a contiguous last dimension, no memory shared with any
+            other argument (validated like every argument: SPEC §3); ``q_out=q`` is in-place
+            rotation of q. Saves the allocation of fresh outputs every call.
         check_slots: also reject two tokens writing the same slot (otherwise the row ends
             up holding one of those tokens' complete rows).
         kv_layout: ``"NHD"``: pools are ``[pages, page_size, num_kv_heads, head_dim]``;
@@ -119,7 +129,8 @@ def rope_pool_fused(
 
     Returns:
         ``(q_rot, k_rot, k_pool, v_pool)``: q_rot and k_rot are new contiguous arrays of
-        q's framework, dtype and device; k_pool and v_pool are the very objects passed in.
+        q's framework, dtype and device (or q/k with ``inplace``, q_out/k_out where given);
+        k_pool and v_pool are the very objects passed in.
 
     Arrays are PyTorch tensors (CPU; CUDA with the CUDA backend, run on the current stream
     of their device) or any DLPack / buffer-protocol producer (NumPy, ...); they are never
@@ -128,8 +139,10 @@ def rope_pool_fused(
     for backend failures. Nothing is written when an error is raised.
     """
     # The common decode-step call (plain torch tensors, eager, only the four required
-    # keywords, validated once per geometry) skips the keyword machinery below; the core
-    # still validates every call (SPEC §2), so errors are the same.
+    # keywords and maybe inplace or plain q_out/k_out, validated once per geometry) skips the
+    # keyword machinery below; the core still validates every call (SPEC §2), so errors are
+    # the same. What only this layer checks takes the slow path: inplace with q_out/k_out,
+    # and a float8 q_out without q_out_dtype.
     if type(q) is _FAST_TENSOR and type(k) is _FAST_TENSOR and type(v) is _FAST_TENSOR \
             and type(positions) is _FAST_TENSOR and type(slots) is _FAST_TENSOR \
             and type(k_pool) is _FAST_TENSOR and type(v_pool) is _FAST_TENSOR \
@@ -140,20 +153,25 @@ def rope_pool_fused(
             and k_scale is None and v_scale is None and q_scale is None and q_out_dtype is None \
             and q_norm_weight is None and k_norm_weight is None and norm_eps is None \
             and norm_style is None and mrope_section is None and mrope_interleaved is None \
-            and (inplace is False or inplace is True) \
+            and ((inplace is False
+                  and (q_out is None
+                       or (type(q_out) is _FAST_TENSOR and q_out.dtype is not _FAST_FP8))
+                  and (k_out is None or type(k_out) is _FAST_TENSOR))
+                 or (inplace is True and q_out is None and k_out is None)) \
             and type(head_dim) is int and type(num_qo_heads) is int \
             and type(num_kv_heads) is int and type(rope_base) is float \
             and (head_dim, num_qo_heads, num_kv_heads, rope_base) in _FAST_GEOMETRIES \
             and _fast_eager():
         return _fast_call(q, k, v, positions, slots, k_pool, v_pool, head_dim, num_qo_heads,
-                          num_kv_heads, rope_base, inplace)
+                          num_kv_heads, rope_base, inplace, q_out, k_out)
     tensors = (q, k, v, positions, slots, k_pool, v_pool)
+    has_out = q_out is not None or k_out is not None
     all_torch = torch is not None and isinstance(q, torch.Tensor) \
         and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) \
         and isinstance(positions, torch.Tensor) and isinstance(slots, torch.Tensor) \
         and isinstance(k_pool, torch.Tensor) and isinstance(v_pool, torch.Tensor)
     if not all_torch:
-        _refuse_immutable_arrays(tensors)
+        _refuse_immutable_arrays(tensors, q_out, k_out)
     (head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, sched_freqs, sched_scale,
      sched_section, sched_interleaved) = \
         _fused_scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim,
@@ -167,16 +185,31 @@ def rope_pool_fused(
     check_slots = bool(check_slots)
     interleaved = bool(interleaved)
     inplace = bool(inplace)
+    if has_out:
+        _check_out_keywords(q_out, k_out, inplace)
     cache = _cache_args(kv_layout, k_scale, v_scale, q_scale, q_out_dtype, inplace)
 
     if all_torch:
         _check_torch_scales(cache)
+        if has_out:
+            _check_torch_outs(q, q_out, k_out, cache[-1])
         if (fusion[0] is not None or fusion[1] is not None) and any(
                 w is not None and not isinstance(w, torch.Tensor) for w in fusion[:2]):
             raise TypeError("rope_pool_fused: q_norm_weight/k_norm_weight must be "
                             "torch.Tensors when the other arguments are")
         scalars = (head_dim, num_qo_heads, num_kv_heads, rope_base, check_slots, rotary_dim,
                    interleaved, sched_freqs, sched_scale) + cache + fusion
+        if has_out:
+            # One op for every out= call: the output not given is allocated here, as the
+            # default op would, so the op has a fixed set of mutated arguments.
+            q_rot = _new_q_rot(q, cache[-1]) if q_out is None else q_out
+            k_rot = _new_torch_output(k) if k_out is None else k_out
+            if _plain_eager(tensors + (q_rot, k_rot)) and _plain_scales(cache) \
+                    and _plain_weights(fusion):
+                _rope_pool_fused_out_kernel(*tensors, q_rot, k_rot, *scalars)
+            else:
+                torch.ops.ropepool.rope_pool_fused_out(*tensors, q_rot, k_rot, *scalars)
+            return q_rot, k_rot, k_pool, v_pool
         if _plain_eager(tensors) and _plain_scales(cache) and _plain_weights(fusion):
             # Eager calls on plain tensors run the op's own kernel function directly: the
             # same code the dispatcher would reach, without its ~10 us of Python dispatch,
@@ -197,19 +230,15 @@ def rope_pool_fused(
         q_rot, k_rot = torch.ops.ropepool.rope_pool_fused(
             q, k, v, positions, slots, k_pool, v_pool, *scalars)
         return q_rot, k_rot, k_pool, v_pool
-    if torch is not None and any(isinstance(t, torch.Tensor) for t in tensors):
-        name, t = next((name, t) for name, t in zip(_TENSOR_ARGS, tensors)
-                       if not isinstance(t, torch.Tensor))
-        raise TypeError(
-            f"rope_pool_fused: {name} is a {type(t).__name__} but other arguments are "
-            "torch.Tensors; pass every array as a torch.Tensor"
-        )
-
+    _refuse_mixed_frameworks(tensors, q_out, k_out)
     if cache[-1]:
         raise ValueError("rope_pool_fused: q_out_dtype=float8_e4m3fn needs torch tensors "
                          "(NumPy cannot export float8 through DLPack)")
-    q_rot = q if inplace else _new_array_output(q, "q")
-    k_rot = k if inplace else _new_array_output(k, "k")
+    if inplace:
+        q_rot, k_rot = q, k
+    else:
+        q_rot = _new_array_output(q, "q") if q_out is None else q_out
+        k_rot = _new_array_output(k, "k") if k_out is None else k_out
     _ropepool.rope_pool_fused_into(
         q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot,
         head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -243,11 +272,11 @@ _IMMUTABLE_FRONT_ENDS = {"mlx": ("an mlx.core.array", "ropepool.mlx.rope_pool_fu
                          "jaxlib": ("a jax.Array", "ropepool.jax.rope_pool_fused")}
 
 
-def _refuse_immutable_arrays(tensors) -> None:
+def _refuse_immutable_arrays(tensors, q_out=None, k_out=None) -> None:
     """TypeError for MLX and JAX arrays, before anything is converted: DLPack would hand
     out their memory and the pool write would mutate arrays their framework treats as
     immutable (a lazy MLX value computed before the call would see it)."""
-    for name, t in zip(_TENSOR_ARGS, tensors):
+    for name, t in zip(_TENSOR_ARGS + ("q_out", "k_out"), tuple(tensors) + (q_out, k_out)):
         front = _IMMUTABLE_FRONT_ENDS.get(type(t).__module__.partition(".")[0])
         if front is not None:
             raise TypeError(
@@ -298,6 +327,31 @@ def _cache_args(kv_layout, k_scale, v_scale, q_scale, q_out_dtype, inplace):
                          "inplace=True (q_rot would be written into q, of q's dtype)")
     out.append(q_fp8)
     return tuple(out)
+
+
+def _refuse_mixed_frameworks(tensors, q_out, k_out) -> None:
+    """TypeError when some arrays are torch.Tensors and others are not (the torch path needs
+    them all; the DLPack path would write a tensor behind torch's back)."""
+    if torch is None:
+        return
+    named = tuple(zip(_TENSOR_ARGS, tensors))
+    named += tuple((n, t) for n, t in (("q_out", q_out), ("k_out", k_out)) if t is not None)
+    if any(isinstance(t, torch.Tensor) for _, t in named):
+        name, t = next((name, t) for name, t in named if not isinstance(t, torch.Tensor))
+        raise TypeError(
+            f"rope_pool_fused: {name} is a {type(t).__name__} but other arguments are "
+            "torch.Tensors; pass every array as a torch.Tensor"
+        )
+
+
+def _check_out_keywords(q_out, k_out, inplace) -> None:
+    """q_out/k_out against inplace: the one conflict the core cannot see (with inplace, q/k
+    themselves are the outputs it receives)."""
+    if inplace:
+        given = " and ".join(n for n, t in (("q_out", q_out), ("k_out", k_out)) if t is not None)
+        raise ValueError(f"rope_pool_fused: {given} cannot be combined with inplace=True "
+                         "(inplace writes q_rot/k_rot into q and k); pass q_out/k_out or "
+                         "inplace=True, not both (q_out=q, k_out=k is in-place rotation)")
 
 
 def _cache_kwargs(cache):
@@ -431,6 +485,8 @@ def validate_rope_pool(
     attention_scaling: Optional[float] = None,
     schedule: Optional["RopeSchedule"] = None,
     inplace: bool = False,
+    q_out: Any = None,
+    k_out: Any = None,
     check_slots: bool = False,
     kv_layout: Optional[str] = None,
     k_scale: Any = None,
@@ -448,11 +504,13 @@ def validate_rope_pool(
     same error the op would for this call, writes nothing, never waits for a device.
 
     As in C++ (``validate_rope_pool``), slot values in device memory are not read (on CUDA
-    an out-of-range slot is reported by the op itself, SPEC §3). q_rot/k_rot are allocated
-    as the op would (their overlap with the inputs is part of the check).
+    an out-of-range slot is reported by the op itself, SPEC §3). q_rot/k_rot are q_out/k_out
+    where given, else allocated as the op would (their overlap with the inputs is part of
+    the check).
     """
     tensors = (q, k, v, positions, slots, k_pool, v_pool)
-    _refuse_immutable_arrays(tensors)
+    _refuse_immutable_arrays(tensors, q_out, k_out)
+    has_out = q_out is not None or k_out is not None
     (head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, sched_freqs, sched_scale,
      sched_section, sched_interleaved) = \
         _fused_scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim,
@@ -461,19 +519,27 @@ def validate_rope_pool(
                        mrope_interleaved)
     fusion = _fusion_args(q_norm_weight, k_norm_weight, norm_eps, norm_style, sched_section,
                           sched_interleaved)
+    if has_out:
+        _check_out_keywords(q_out, k_out, bool(inplace))
     cache = _cache_args(kv_layout, k_scale, v_scale, q_scale, q_out_dtype, bool(inplace))
     is_torch = torch is not None and all(isinstance(t, torch.Tensor) for t in tensors)
     if is_torch:
         _check_torch_scales(cache)
-    elif cache[-1]:
-        raise ValueError("rope_pool_fused: q_out_dtype=float8_e4m3fn needs torch tensors "
-                         "(NumPy cannot export float8 through DLPack)")
+        if has_out:
+            _check_torch_outs(q, q_out, k_out, cache[-1])
+    else:
+        _refuse_mixed_frameworks(tensors, q_out, k_out)
+        if cache[-1]:
+            raise ValueError("rope_pool_fused: q_out_dtype=float8_e4m3fn needs torch tensors "
+                             "(NumPy cannot export float8 through DLPack)")
     if inplace:
         q_rot, k_rot = q, k
     elif is_torch:
-        q_rot, k_rot = _new_q_rot(q, cache[-1]), _new_torch_output(k)
+        q_rot = _new_q_rot(q, cache[-1]) if q_out is None else q_out
+        k_rot = _new_torch_output(k) if k_out is None else k_out
     else:
-        q_rot, k_rot = _new_array_output(q, "q"), _new_array_output(k, "k")
+        q_rot = _new_array_output(q, "q") if q_out is None else q_out
+        k_rot = _new_array_output(k, "k") if k_out is None else k_out
     _ropepool.rope_pool_fused_into(
         q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot,
         head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -512,6 +578,7 @@ def _new_array_output(x: Any, name: str) -> Any:
 
 
 _FAST_TENSOR: Any = None  # torch.Tensor where torch is installed (the fast path's type test)
+_FAST_FP8: Any = None  # torch.float8_e4m3fn (a float8 q_out takes the slow path's check)
 
 if torch is not None:
 
@@ -532,6 +599,28 @@ if torch is not None:
             if t is not None and not isinstance(t, torch.Tensor):
                 raise TypeError(f"rope_pool_fused: {name} must be a float or a one-element "
                                 f"float32 torch.Tensor, got {type(t).__name__}")
+
+    def _check_torch_outs(q, q_out, k_out, q_fp8) -> None:
+        """q_out/k_out with torch tensors: torch.Tensors too, and q_out's dtype the one
+        q_out_dtype asks for (the core takes a float8_e4m3fn q_out as the fp8 q_rot, so
+        only here can a q_out that disagrees with q_out_dtype be told apart). Shapes, the
+        other dtypes, devices, layouts and overlaps are the core's (SPEC §2, §3)."""
+        for name, t in (("q_out", q_out), ("k_out", k_out)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"rope_pool_fused: {name} is a {type(t).__name__} but other "
+                                "arguments are torch.Tensors; pass every array as a "
+                                "torch.Tensor")
+        if q_out is None:
+            return
+        fp8 = q_out.dtype == torch.float8_e4m3fn
+        if q_fp8 and not fp8:
+            raise ValueError("rope_pool_fused: q_out must be float8_e4m3fn "
+                             "(q_out_dtype=float8_e4m3fn), got "
+                             f"{str(q_out.dtype).removeprefix('torch.')}")
+        if fp8 and not q_fp8:
+            raise ValueError("rope_pool_fused: q_out is float8_e4m3fn but q_out_dtype is None; "
+                             "pass q_out_dtype=torch.float8_e4m3fn for an fp8 q_rot, or a "
+                             f"q_out of q's dtype ({str(q.dtype).removeprefix('torch.')})")
 
     def _plain_weights(fusion) -> bool:
         if fusion[0] is None and fusion[1] is None:
@@ -570,6 +659,15 @@ if torch is not None:
     _LIB.define(
         "rope_pool_fused_(Tensor(c!) q, Tensor(d!) k, Tensor v, Tensor positions, "
         "Tensor slots, Tensor(a!) k_pool, Tensor(b!) v_pool, " + _SCHEMA_TAIL + " -> ()"
+    )
+    # q_out=/k_out= (caller-provided outputs, both given: rope_pool_fused allocates the one
+    # the caller left out): written in place like the pools, nothing returned (a custom op
+    # cannot return its mutated inputs; rope_pool_fused returns the caller's objects). A
+    # float8_e4m3fn q_out is the fp8 q_rot; q_fp8 is not read (q_out's dtype says it).
+    _LIB.define(
+        "rope_pool_fused_out(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor slots, "
+        "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor(c!) q_out, Tensor(d!) k_out, "
+        + _SCHEMA_TAIL + " -> ()"
     )
     # Private torch APIs (each with a public fallback) are named in _torch_compat only.
     from ropepool._torch_compat import current_device as _current_device
@@ -647,47 +745,62 @@ if torch is not None:
         _run(q, k, v, positions, slots, k_pool, v_pool, q, k, *scalars, **kwargs)
         _increment_version((q, k, k_pool, v_pool))
 
+    def _rope_pool_fused_out_kernel(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
+                                    *scalars, **kwargs):
+        _run(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, *scalars, **kwargs)
+        _increment_version((q_out, k_out, k_pool, v_pool))
+
     def _fast_eager() -> bool:
         return not _is_compiling() and _dispatch_mode() is None
 
     def _fast_call(q, k, v, positions, slots, k_pool, v_pool, head_dim, num_qo_heads,
-                   num_kv_heads, rope_base, inplace):
-        """What _rope_pool_fused_kernel / _rope_pool_fused_inplace_kernel do for a call
-        with only the four required keywords, without building the keyword tuples."""
+                   num_kv_heads, rope_base, inplace, q_out, k_out):
+        """What _rope_pool_fused_kernel / _rope_pool_fused_inplace_kernel /
+        _rope_pool_fused_out_kernel do for a call with only the four required keywords
+        (and inplace, or q_out/k_out in q's/k's dtype), without building the keyword
+        tuples."""
+        if inplace:
+            q_rot, k_rot = q, k
+        else:
+            q_rot = _new_torch_output(q) if q_out is None else q_out
+            k_rot = _new_torch_output(k) if k_out is None else k_out
         stream = 0
         if q.is_cuda:
             device = q.device.index
             if device != _current_device():  # rare: _run switches the device
                 scalars = (head_dim, num_qo_heads, num_kv_heads, rope_base)
-                if inplace:
-                    _rope_pool_fused_inplace_kernel(q, k, v, positions, slots, k_pool, v_pool,
-                                                    *scalars)
-                    return q, k, k_pool, v_pool
-                return (*_rope_pool_fused_kernel(q, k, v, positions, slots, k_pool, v_pool,
-                                                 *scalars), k_pool, v_pool)
+                _rope_pool_fused_out_kernel(q, k, v, positions, slots, k_pool, v_pool, q_rot,
+                                            k_rot, *scalars)
+                return q_rot, k_rot, k_pool, v_pool
             stream = _current_raw_stream(device)
-        if inplace:
-            q_rot, k_rot = q, k
-        else:
-            q_rot, k_rot = _new_torch_output(q), _new_torch_output(k)
         _ropepool.rope_pool_fused_into(
             q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, head_dim=head_dim,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base,
             stream=stream, exporter=_to_dlpack)
-        _increment_version((q, k, k_pool, v_pool) if inplace else (k_pool, v_pool))
+        if inplace or q_out is not None or k_out is not None:
+            _increment_version((q_rot, k_rot, k_pool, v_pool))
+        else:
+            _increment_version((k_pool, v_pool))
         return q_rot, k_rot, k_pool, v_pool
 
     _FAST_TENSOR = torch.Tensor
+    _FAST_FP8 = torch.float8_e4m3fn
 
     # One kernel for every backend key (CPU, CUDA, ...): the C++ side dispatches on the
     # tensors' device itself and rejects what it cannot run.
     _LIB.impl("rope_pool_fused", _rope_pool_fused_kernel, "CompositeExplicitAutograd")
     _LIB.impl("rope_pool_fused_", _rope_pool_fused_inplace_kernel, "CompositeExplicitAutograd")
+    _LIB.impl("rope_pool_fused_out", _rope_pool_fused_out_kernel, "CompositeExplicitAutograd")
 
     @torch.library.register_fake("ropepool::rope_pool_fused_", lib=_LIB)
     def _rope_pool_fused_inplace_fake(q, k, v, positions, slots, k_pool, v_pool, *scalars,
                                       **kwargs):
         return None
+
+    @torch.library.register_fake("ropepool::rope_pool_fused_out", lib=_LIB)
+    def _rope_pool_fused_out_fake(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
+                                  *scalars, **kwargs):
+        return None  # every output is a mutated argument: nothing to describe
 
     @torch.library.register_fake("ropepool::rope_pool_fused", lib=_LIB)
     def _rope_pool_fused_fake(q, k, v, positions, slots, k_pool, v_pool, *scalars, **kwargs):

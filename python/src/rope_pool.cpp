@@ -1,7 +1,8 @@
 // Binding of ropepool::rope_pool_fused. The Python layer (ropepool/_op.py) allocates
-// q_rot/k_rot with the caller's framework and calls `rope_pool_fused_into` here; this file
-// only turns arrays into TensorViews and hands them to the C++ op, which owns all
-// validation (SPEC §2), so every message comes from one place.
+// q_rot/k_rot with the caller's framework (or passes the caller's q_out=/k_out= as they
+// are) and calls `rope_pool_fused_into` here; this file only turns arrays into TensorViews
+// and hands them to the C++ op, which owns all validation (SPEC §2), so every message comes
+// from one place.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>

@@ -46,7 +46,8 @@ def test_signature_is_explicit_and_keyword_only():
                             "rope_base": empty, "rotary_dim": None, "interleaved": False,
                             "rope_scaling": None, "max_position_embeddings": None,
                             "original_max_position_embeddings": None, "seq_len": None, "inv_freq": None, "attention_scaling": None,
-                            "schedule": None, "inplace": False, "check_slots": False,
+                            "schedule": None, "inplace": False, "q_out": None,
+                            "k_out": None, "check_slots": False,
                             "kv_layout": None, "k_scale": None, "v_scale": None,
                             "q_scale": None, "q_out_dtype": None,
                             # SPEC §7
