@@ -559,13 +559,6 @@ Checked check(const RopePoolTensors& t, const RopePoolParams& p, const CallOptio
   problem.k_norm_dtype = p.k_norm_weight.dtype;
   problem.norm_eps = float(p.norm_eps.value_or(1e-6));
   problem.norm_gemma = p.norm_style.value_or("rms") == "gemma";
-  // SPEC §7 x §6 on CUDA: the norm kernel writes [P, Hk, D] pools in q's dtype only.
-  if (t.q.device.type == DeviceType::CUDA && (problem.q_norm_weight || problem.k_norm_weight) &&
-      (problem.page_size != 1 || problem.pool_dtype != problem.dtype ||
-       problem.q_out_dtype != problem.dtype))
-    Checker::fail("rope_pool_fused: q_norm_weight/k_norm_weight with paged (page_size > 1) or "
-                  "float8 pools or a float8 q_rot are not supported on the cuda backend yet",
-                  "run the norm separately, or use [P, num_kv_heads, head_dim] pools in q's dtype");
   if (t.q.device.type == DeviceType::CPU && o.data_readable)
     detail::check_slot_values(problem.slots, problem.num_tokens, problem.pool_size,
                               o.check_slots);

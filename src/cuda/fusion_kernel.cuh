@@ -10,17 +10,26 @@
 // q_out / k_out (and the pool). One warp writes all kv heads of a token, so a pool row is
 // always one token's (SPEC §3); with several tokens it holds the row's spin lock while it
 // writes, as the main kernel's lock mode does.
+//
+// SPEC §6's caches are the main kernel's PoolVariant bits (template parameter kPool), with
+// its parameters (KernelParams<.., true>: PoolParams) and its helpers: the slot -> (page, row)
+// of HeadOps::pool_row, the slot error record, and Fp8IO's e4m3(x / scale) (the division in
+// float32). An fp8 k_pool element is quantised from the rotated float32 value before it is
+// rounded to q's dtype (as the main kernel does), an fp8 q_out element likewise, and an fp8
+// v_pool element from its input element (bit-exact). Element-wise accesses: any page size,
+// stride or alignment takes the same code.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "rope_pool_kernel.cuh"
 #include "vec.cuh"
 
 namespace ropepool::cuda {
 
-constexpr int kFusionWarps = 4;            ///< warps per CTA
-constexpr int kFusionMaxHeadDim = 2048;    ///< a head in shared memory per warp (8 KiB)
+constexpr int kFusionWarps = 4;          ///< warps per CTA
+constexpr int kFusionMaxHeadDim = 2048;  ///< a head in shared memory per warp (8 KiB)
 
 /// What SPEC §7 adds to KernelParams (a second kernel parameter).
 struct FusionParams {
@@ -32,11 +41,18 @@ struct FusionParams {
   bool interleaved;  ///< GPT-J pairs (the main kernel has it as a template argument)
 };
 
+/// Element `bits` of type E as float32. float16 NaNs keep their sign (the conversion may
+/// return one canonical NaN), so a NaN quantised to e4m3 keeps it, as on the host.
+template <class E>
+__device__ __forceinline__ float widen(typename E::Bits bits) {
+  float f[1];
+  VecIO<E, 1>::to_float(bits, f);
+  if constexpr (std::is_same_v<E, F16>) VecIO<E, 1>::keep_nan_signs(bits, f);
+  return f[0];
+}
 template <class E>
 __device__ __forceinline__ float load_element(const void* base, int64_t i) {
-  float f[1];
-  VecIO<E, 1>::to_float(static_cast<const typename E::Bits*>(base)[i], f);
-  return f[0];
+  return widen<E>(static_cast<const typename E::Bits*>(base)[i]);
 }
 template <class E>
 __device__ __forceinline__ typename E::Bits to_bits(float x) {
@@ -54,22 +70,31 @@ template <class E>
 __device__ __forceinline__ float weight_at(const void* w, bool is_float32, int d) {
   return is_float32 ? __ldg(static_cast<const float*>(w) + d) : load_element<E>(w, d);
 }
+/// Element d of an e4m3fn row: e4m3(x / scale) by SPEC §6's rule (the main kernel's helper).
+__device__ __forceinline__ void store_e4m3(void* row, int d, float x, const Fp8Divisor& scale) {
+  const float f[1] = {x};
+  Fp8IO<1>::store(static_cast<uint8_t*>(row) + d, Fp8IO<1>::quantize(f, scale));
+}
 
-/// One head: x [D] -> (normalised when w) -> rotated into out (and out2 when not null).
-/// `row` is this warp's shared row of D floats.
-template <class E>
+/// One head: x [D] -> (normalised when w) -> rotated into `out` (q's dtype, or e4m3 with
+/// out_scale when kOutFp8) and, when `pool` is not null, into that pool row too (q's dtype:
+/// the same bits as out; e4m3 with pool_scale when kPoolFp8). `row` is this warp's shared row
+/// of D floats.
+template <class E, bool kOutFp8, bool kPoolFp8>
 __device__ __forceinline__ void fused_head(const KernelParams<kMaxHalfRotary>& p,
                                            const FusionParams& f, const typename E::Bits* x,
-                                           typename E::Bits* out, typename E::Bits* out2,
-                                           const void* w, bool w_float32, const float* cos_row,
-                                           const float* sin_row, float* row, int lane) {
+                                           void* out, const Fp8Divisor& out_scale, void* pool,
+                                           const Fp8Divisor& pool_scale, const void* w, bool w_float32,
+                                           const float* cos_row, const float* sin_row, float* row,
+                                           int lane) {
+  using Bits = typename E::Bits;
+  static_assert(!(kOutFp8 && kPoolFp8), "q_out (fp8) has no pool row, k_out is in q's dtype");
   const int D = p.head_dim, R = p.rotary_dim, half = R / 2;
   float sum = 0.f;
   for (int d = lane; d < D; d += 32) {
-    float v[1];
-    VecIO<E, 1>::to_float(__ldg(x + d), v);
-    row[d] = v[0];
-    sum += v[0] * v[0];
+    const float v = widen<E>(__ldg(x + d));
+    row[d] = v;
+    sum += v * v;
   }
   if (w != nullptr) {
 #pragma unroll
@@ -83,6 +108,7 @@ __device__ __forceinline__ void fused_head(const KernelParams<kMaxHalfRotary>& p
   }
   __syncwarp();
   for (int d = lane; d < D; d += 32) {
+    // o: the element in float32 before its one rounding (to q's dtype or to e4m3)
     float o = row[d];
     if (d < R) {
       const int i = f.interleaved ? d / 2 : d % half;
@@ -90,27 +116,50 @@ __device__ __forceinline__ void fused_head(const KernelParams<kMaxHalfRotary>& p
       const float a = row[ia], b = row[ib], c = cos_row[i], s = sin_row[i];
       o = d == ia ? a * c - b * s : a * s + b * c;
     }
-    const typename E::Bits bits = to_bits<E>(o);
-    out[d] = bits;
-    if (out2 != nullptr) out2[d] = bits;
+    if constexpr (kOutFp8) {
+      store_e4m3(out, d, o, out_scale);
+    } else {
+      const Bits bits = to_bits<E>(o);
+      static_cast<Bits*>(out)[d] = bits;
+      if (pool != nullptr) {
+        if constexpr (kPoolFp8) store_e4m3(pool, d, o, pool_scale);
+        else static_cast<Bits*>(pool)[d] = bits;
+      }
+    }
   }
   __syncwarp();  // the row is reused by this warp's next head
 }
 
-template <class E>
+/// kPool: PoolVariant bits (0: pools in q's dtype addressed as slot * kp_row, page size 1).
+template <class E, int kPool = 0>
 __global__ void __launch_bounds__(kFusionWarps * 32)
-    rope_pool_fusion_kernel(const __grid_constant__ KernelParams<kMaxHalfRotary> p,
+    rope_pool_fusion_kernel(const __grid_constant__ KernelParams<kMaxHalfRotary, kPool != 0> p,
                             const __grid_constant__ FusionParams f) {
   using Bits = typename E::Bits;
+  // The main kernel's head geometry is not used here: only its pool addressing.
+  using Ops = HeadOps<E, 1, 0, kMaxHalfRotary, false, kPool>;
+  constexpr bool kFp8Pool = Ops::kFp8Pool, kFp8QOut = Ops::kFp8QOut;
   extern __shared__ float4 shared[];
   const int half = p.rotary_dim / 2, D = p.head_dim;
-  float* cos_row = reinterpret_cast<float*>(shared);
+  // kPool != 0: as in the main kernel, k_scale, v_scale, q_scale prepared for division in
+  // bytes 0-47, the kv warp's pool row offsets in bytes 48-63 (HeadOps::pool_row), then the
+  // table.
+  Fp8Divisor* const scales = reinterpret_cast<Fp8Divisor*>(shared);
+  int64_t* const row_offsets = reinterpret_cast<int64_t*>(shared) + 6;
+  float* cos_row = reinterpret_cast<float*>(shared) + (kPool != 0 ? kPoolSharedBytes / 4 : 0);
   float* sin_row = cos_row + half;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   float* row = sin_row + half + warp * D;
   const int64_t t = blockIdx.x;
 
   wait_for_previous_grid();
+  // Scale tensors may have been written by the previous grid: read after the wait.
+  if constexpr (kFp8Pool || kFp8QOut) {
+    const int i = threadIdx.x;
+    if (i < 3)
+      scales[i] = fp8_divisor(p.pool.scale_ptr[i] != nullptr ? __ldg(p.pool.scale_ptr[i])
+                                                             : p.pool.scale_value[i]);
+  }
   if (int(threadIdx.x) < half) {  // the main kernel's table, mRoPE included
     const int64_t pos = load_index(p.positions, p.positions_stride, p.positions_int64, t);
     for (int e = threadIdx.x; e < half; e += blockDim.x)
@@ -119,39 +168,56 @@ __global__ void __launch_bounds__(kFusionWarps * 32)
   }
   __syncthreads();
   allow_next_grid();
+  const Fp8Divisor one{1.0f, 1.0f, 1.0f, 1.0f};
+  const Fp8Divisor& k_scale = kFp8Pool ? scales[0] : one;
+  const Fp8Divisor& v_scale = kFp8Pool ? scales[1] : one;
+  const Fp8Divisor& q_scale = kFp8QOut ? scales[2] : one;
+  using PoolBits = std::conditional_t<kFp8Pool, uint8_t, Bits>;  // a pool element
+  using QOutBits = std::conditional_t<kFp8QOut, uint8_t, Bits>;  // a q_out element
 
   // Warp 0: every kv head of the token (the whole pool row); all warps: the q heads.
+  int64_t slot = -1;
   if (warp == 0) {
-    const int64_t slot = load_index(p.slots, p.slots_stride, p.slots_int64, t);
-    if (slot >= p.pool_size && lane == 0) record_slot_error(p.error_record, t, slot, p.pool_size);
-    const bool to_pool = slot >= 0 && slot < p.pool_size;
-    unsigned int* lock = nullptr;
-    if (to_pool && p.pool_write_mode == kPoolWriteLock) {
-      lock = slot_lock(slot);
-      lock_row(lock, lane);
-    }
+    const Ops ops(p);
+    slot = load_index(p.slots, p.slots_stride, p.slots_int64, t);
+    const bool to_pool = slot >= 0 && slot < p.pool_size;  // SPEC §1, §3
+    typename Ops::PoolRow pool_row{slot, nullptr};
+    if constexpr (kPool != 0) pool_row = ops.pool_row(slot, row_offsets);
+    // The lock's address is recomputed to release it: a pointer held across the head loop
+    // (whose IEEE division and square root call their slow paths) costs a spill.
+    const bool locked = to_pool && p.pool_write_mode == kPoolWriteLock;
+    if (locked) lock_row(slot_lock(slot), lane);
     for (int h = 0; h < p.num_kv_heads; ++h) {
       const Bits* k = static_cast<const Bits*>(p.k) + t * p.k_row + h * p.k_head;
       Bits* k_out = static_cast<Bits*>(p.k_out) + t * p.ko_row + h * p.ko_head;
-      Bits* k_pool = to_pool ? static_cast<Bits*>(p.k_pool) + slot * p.kp_row + h * p.kp_head
-                             : nullptr;
-      fused_head<E>(p, f, k, k_out, k_pool, f.k_norm_weight, f.k_norm_float32, cos_row, sin_row,
-                    row, lane);
+      PoolBits* k_pool =
+          to_pool ? static_cast<PoolBits*>(p.k_pool) + ops.k_row_offset(pool_row) + h * p.kp_head
+                  : nullptr;
+      fused_head<E, false, kFp8Pool>(p, f, k, k_out, one, k_pool, k_scale, f.k_norm_weight,
+                                     f.k_norm_float32, cos_row, sin_row, row, lane);
       if (to_pool) {
         const Bits* v = static_cast<const Bits*>(p.v) + t * p.v_row + h * p.v_head;
-        Bits* v_pool = static_cast<Bits*>(p.v_pool) + slot * p.vp_row + h * p.vp_head;
-        for (int d = lane; d < D; d += 32) v_pool[d] = __ldg(v + d);  // raw bits
+        PoolBits* v_pool =
+            static_cast<PoolBits*>(p.v_pool) + ops.v_row_offset(pool_row) + h * p.vp_head;
+        for (int d = lane; d < D; d += 32) {
+          if constexpr (kFp8Pool) store_e4m3(v_pool, d, widen<E>(__ldg(v + d)), v_scale);
+          else v_pool[d] = __ldg(v + d);  // raw bits
+        }
       }
     }
-    if (lock != nullptr) unlock_row(lock, lane);
+    if (locked) unlock_row(slot_lock(slot), lane);
   }
   // q heads: warps 1.. first (warp 0 is busy with the kv heads), then warp 0 joins.
   for (int h = (warp + warps - 1) % warps; h < p.num_qo_heads; h += warps) {
     const Bits* q = static_cast<const Bits*>(p.q) + t * p.q_row + h * p.q_head;
-    Bits* q_out = static_cast<Bits*>(p.q_out) + t * p.qo_row + h * p.qo_head;
-    fused_head<E>(p, f, q, q_out, nullptr, f.q_norm_weight, f.q_norm_float32, cos_row, sin_row,
-                  row, lane);
+    QOutBits* q_out = static_cast<QOutBits*>(p.q_out) + t * p.qo_row + h * p.qo_head;
+    fused_head<E, kFp8QOut, false>(p, f, q, q_out, q_scale, nullptr, one, f.q_norm_weight,
+                                   f.q_norm_float32, cos_row, sin_row, row, lane);
   }
+  // A slot >= pool_size (not written above) goes to the host's record, as in the main kernel.
+  // Last, so that no value is live across the call (ptxas saves those on the stack).
+  if (warp == 0 && lane == 0 && slot >= p.pool_size)
+    record_slot_error(p.error_record, t, slot, p.pool_size);
 }
 
 }  // namespace ropepool::cuda

@@ -401,21 +401,55 @@ void launch_variant(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorR
 }
 
 // SPEC §7 QK norm: rope_pool_fusion_kernel (fusion_kernel.cuh), a CTA per token, a warp per
-// head. (mRoPE alone takes the main kernel.)
+// head, with every SPEC §6 cache format. (mRoPE alone takes the main kernel.)
 bool has_fusions(const RopePoolProblem& p) {
   return p.q_norm_weight != nullptr || p.k_norm_weight != nullptr;
 }
 
+template <class E, int kPool>
+void launch_fusion_variant(const RopePoolProblem& p, const LaunchPlan& plan,
+                           const cuda::FusionParams& f, SlotErrorRecord* record,
+                           cudaStream_t stream) {
+  constexpr int kCap = cuda::kMaxHalfRotary;
+  KernelParams<kCap, kPool != 0> params;
+  if constexpr (kPool != 0) params = make_pool_params<kCap>(p, plan, record);
+  else params = make_params<kCap>(p, plan, record);
+  cudaLaunchConfig_t launch{};
+  launch.gridDim = dim3(unsigned(plan.grid));
+  launch.blockDim = dim3(unsigned(plan.threads));
+  launch.dynamicSmemBytes = plan.shared_bytes;
+  launch.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  launch.attrs = &attr;
+  launch.numAttrs = 1;
+  check(cudaLaunchKernelEx(&launch, cuda::rope_pool_fusion_kernel<E, kPool>, params, f),
+        "cudaLaunchKernelEx (rope_pool_fusion_kernel)");
+}
+
 template <class E>
 void launch_fusion(const RopePoolProblem& p, SlotErrorRecord* record, cudaStream_t stream) {
-  assert(p.head_dim <= cuda::kFusionMaxHeadDim && p.rotary_dim / 2 <= cuda::kMaxHalfRotary);
+  using namespace cuda;
+  assert(p.head_dim <= kFusionMaxHeadDim && p.rotary_dim / 2 <= kMaxHalfRotary);
+  assert(p.page_size >= 1 && p.pool_size % p.page_size == 0);
+  assert(p.pool_dtype == p.dtype || p.pool_dtype == DType::Float8E4M3FN);
+  assert(p.q_out_dtype == p.dtype || p.q_out_dtype == DType::Float8E4M3FN);
   LaunchPlan plan;
   plan.grid = p.num_tokens;
-  plan.threads = 32 * cuda::kFusionWarps;
-  plan.pool_write_mode = p.num_tokens == 1 ? cuda::kPoolWriteDirect : cuda::kPoolWriteLock;
-  const KernelParams<cuda::kMaxHalfRotary> params =
-      make_params<cuda::kMaxHalfRotary>(p, plan, record);
-  cuda::FusionParams f{};
+  plan.threads = 32 * kFusionWarps;
+  plan.pool_write_mode = p.num_tokens == 1 ? kPoolWriteDirect : kPoolWriteLock;
+  // SPEC §6: the main kernel's pool variants (plan_launch), the same bits.
+  const bool fp8_pool = p.pool_dtype == DType::Float8E4M3FN;
+  const bool fp8_q = p.q_out_dtype == DType::Float8E4M3FN;
+  if (fp8_pool || fp8_q || p.page_size > 1) plan.pool_variant = kPoolPaged;
+  if (fp8_pool) plan.pool_variant |= kPoolFp8;
+  if (fp8_q) plan.pool_variant |= kQOutFp8;
+  // The table, a row of head_dim floats per warp, and (pool variants) the scales and the pool
+  // row's offsets before them, as in the main kernel.
+  plan.shared_bytes = sizeof(float) * size_t(p.rotary_dim + kFusionWarps * p.head_dim) +
+                      (plan.pool_variant != 0 ? cuda::kPoolSharedBytes : 0);
+  FusionParams f{};
   f.q_norm_weight = p.q_norm_weight;
   f.k_norm_weight = p.k_norm_weight;
   f.q_norm_float32 = p.q_norm_dtype == DType::Float32;
@@ -423,19 +457,20 @@ void launch_fusion(const RopePoolProblem& p, SlotErrorRecord* record, cudaStream
   f.norm_eps = p.norm_eps;
   f.norm_gemma = p.norm_gemma;
   f.interleaved = p.interleaved;
-  cudaLaunchConfig_t launch{};
-  launch.gridDim = dim3(unsigned(plan.grid));
-  launch.blockDim = dim3(unsigned(plan.threads));
-  launch.dynamicSmemBytes = sizeof(float) * size_t(p.rotary_dim +
-                                                    cuda::kFusionWarps * p.head_dim);
-  launch.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  launch.attrs = &attr;
-  launch.numAttrs = 1;
-  check(cudaLaunchKernelEx(&launch, cuda::rope_pool_fusion_kernel<E>, params, f),
-        "cudaLaunchKernelEx (rope_pool_fusion_kernel)");
+  switch (plan.pool_variant) {
+    case 0: return launch_fusion_variant<E, 0>(p, plan, f, record, stream);
+    case kPoolPaged: return launch_fusion_variant<E, kPoolPaged>(p, plan, f, record, stream);
+    case kPoolPaged | kPoolFp8:
+      return launch_fusion_variant<E, kPoolPaged | kPoolFp8>(p, plan, f, record, stream);
+    case kPoolPaged | kQOutFp8:
+      return launch_fusion_variant<E, kPoolPaged | kQOutFp8>(p, plan, f, record, stream);
+    case kPoolPaged | kPoolFp8 | kQOutFp8:
+      return launch_fusion_variant<E, kPoolPaged | kPoolFp8 | kQOutFp8>(p, plan, f, record,
+                                                                        stream);
+    default: break;
+  }
+  throw BackendError("rope_pool_fused: no CUDA fusion kernel for pool variant " +
+                     std::to_string(plan.pool_variant));
 }
 
 void run(const RopePoolProblem& p, const LaunchConfig& overrides) {

@@ -6,7 +6,8 @@
 // NHD/HND pools of page sizes 1 to 256, layers of stacked caches and the K/V halves of vLLM's
 // and FlashInfer's combined caches (every byte of the allocation outside the rows written
 // unchanged, guards included), fp8 e4m3 pools and q_out with scale values and pointers
-// (a CUDA graph sees a changed scale), and the e4m3 conversion on every float32.
+// (a CUDA graph sees a changed scale), and the e4m3 conversion on every float32; SPEC §7's
+// QK norm (the fusion kernel) with every one of these caches, mRoPE included.
 // Registered with ctest under the label `gpu` (scripts/gpu_check.sh runs `ctest -L gpu`).
 //
 //   ropepool_test_cuda [--quick] [--sanitize]
@@ -705,11 +706,14 @@ uint8_t e4m3_of(double x) {
 }
 bool e4m3_is_nan(uint8_t b) { return (b & 0x7f) == 0x7f; }
 int e4m3_ordinal(uint8_t b) { return (b & 0x80) ? -int(b & 0x7f) : int(b & 0x7f); }
-/// Within one e4m3 step of e4m3(exact) (NaN only for NaN).
-bool e4m3_within_one(uint8_t got, double exact) {
-  const uint8_t want = e4m3_of(exact);
-  if (e4m3_is_nan(want) || e4m3_is_nan(got)) return e4m3_is_nan(want) && e4m3_is_nan(got);
-  return std::abs(e4m3_ordinal(got) - e4m3_ordinal(want)) <= 1;
+/// Within one e4m3 step of e4m3(x) for some x in [exact - slack, exact + slack] (NaN only for
+/// NaN). slack: what SPEC §7 allows the normalised inputs of a rotated element (0 without a norm:
+/// one step of e4m3(exact)). e4m3_of is monotonic, so the ends of the interval bound the codes.
+bool e4m3_within_one(uint8_t got, double exact, double slack = 0) {
+  const uint8_t lo = e4m3_of(exact - slack), hi = e4m3_of(exact + slack);
+  if (e4m3_is_nan(lo) || e4m3_is_nan(hi) || e4m3_is_nan(got))
+    return e4m3_is_nan(lo) && e4m3_is_nan(hi) && e4m3_is_nan(got);
+  return e4m3_ordinal(got) >= e4m3_ordinal(lo) - 1 && e4m3_ordinal(got) <= e4m3_ordinal(hi) + 1;
 }
 std::string hex8(uint8_t b) {
   char s[8];
@@ -809,6 +813,10 @@ struct PoolCase {
   float k_scale = 1, v_scale = 1, q_scale = 1;
   bool scale_ptrs = false;  ///< scales as one float32 each in device memory
   bool specials = false;    ///< NaN, Inf, huge, tiny and tie values in v (NaN in q and k)
+  /// SPEC §7 (the fusion kernel): 0 none, 1 "rms" (weights in q's dtype), 2 "gemma" (float32
+  /// weights); norm_sides: bit 0 q_norm_weight, bit 1 k_norm_weight.
+  int norm = 0, norm_sides = 3;
+  int mrope = 0;            ///< SPEC §7 positions [3, T]: 1 Qwen2-VL sections, 2 interleaved
   bool index64 = false;
   Kernel kernel = Kernel::Auto;
   int expect_path = -1;     ///< a Path the plan must choose, or -1
@@ -816,7 +824,7 @@ struct PoolCase {
   std::string name() const {
     char b[400];
     const int64_t ps = cache == Cache::Pool3D || cache == Cache::Stack3D ? 1 : page_size;
-    std::snprintf(b, sizeof b, "%s T=%lld Hq=%lld Hk=%lld D=%lld%s%s %s ps=%lld%s%s pool=%s%s%s%s%s [%s]",
+    std::snprintf(b, sizeof b, "%s T=%lld Hq=%lld Hk=%lld D=%lld%s%s %s ps=%lld%s%s pool=%s%s%s%s%s%s%s [%s]",
                   dtype_name(dtype), (long long)T, (long long)Hq, (long long)Hk, (long long)D,
                   R ? (" R=" + std::to_string(R)).c_str() : "", interleaved ? " gptj" : "",
                   cache_name(cache), (long long)ps, pad ? (" pad=" + std::to_string(pad)).c_str() : "",
@@ -825,7 +833,12 @@ struct PoolCase {
                   fp8_pool ? (" ks=" + std::to_string(k_scale) + " vs=" + std::to_string(v_scale)).c_str() : "",
                   fp8_q ? (" q_out=fp8 qs=" + std::to_string(q_scale)).c_str() : "",
                   (fp8_pool || fp8_q) ? (scale_ptrs ? " (scale ptrs)" : " (scale values)") : "",
-                  specials ? " +nan/inf/ties" : "", kernel_name(kernel));
+                  specials ? " +nan/inf/ties" : "",
+                  norm ? (std::string(" norm=") + (norm == 2 ? "gemma" : "rms") +
+                          (norm_sides == 1 ? "(q)" : norm_sides == 2 ? "(k)" : ""))
+                             .c_str()
+                       : "",
+                  mrope ? (mrope == 2 ? " mrope(interleaved)" : " mrope") : "", kernel_name(kernel));
     if (claimed_pool_size) return b + std::string(" pool_size=") + std::to_string(claimed_pool_size);
     return b;
   }
@@ -842,6 +855,11 @@ struct PoolRun {
   std::vector<std::unique_ptr<PoolBuffer>> bufs;
   PoolBuffer *kbuf = nullptr, *vbuf = nullptr;
   std::unique_ptr<DeviceBuffer> q8, scale_dev;
+  // SPEC §7: the norm weights (q's then k's: host bytes, views, values) and mRoPE positions
+  std::vector<uint8_t> h_w, h_pos3;
+  std::unique_ptr<DeviceBuffer> d_w, d_pos3;
+  TensorView hq_w, hk_w;
+  std::vector<double> wq, wk;
   RopeSchedule schedule;
   detail::RopePoolProblem prob;
   LaunchConfig cfg;
@@ -857,6 +875,8 @@ struct PoolRun {
     base.interleaved = c.interleaved, base.index64 = c.index64, base.pool = P;
     pr = std::make_unique<Problem>(base, rng, c.slots.empty() ? nullptr : &c.slots);
     if (c.specials) add_specials();
+    if (c.norm) add_norm(rng);
+    if (c.mrope) add_mrope(rng);
     g = cache_geom(c.cache, pages, ps, c.Hk, c.D, c.pad);
     const size_t body = size_t(g.alloc_elems) * pes + size_t(c.base_off);
     for (int i = 0; i < (g.one_allocation ? 1 : 2); ++i) bufs.push_back(std::make_unique<PoolBuffer>(body, rng));
@@ -920,6 +940,93 @@ struct PoolRun {
     ROPEPOOL_CUDA_OK(cudaMemcpy(pr->d_qkv->ptr, pr->h_qkv.data(), pr->h_qkv.size(), cudaMemcpyHostToDevice));
   }
 
+  /// SPEC §7 norm weights around 1 ("rms") or 0 ("gemma"), device copies in the call.
+  void add_norm(Rng& rng) {
+    const int64_t D = c.D;
+    const DType wt = c.norm == 2 ? DType::Float32 : c.dtype;
+    const size_t wes = dtype_size(wt);
+    h_w.resize(size_t(2 * D) * wes);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    for (int64_t d = 0; d < 2 * D; ++d) {
+      const uint32_t b = to_bits((c.norm == 2 ? 0.f : 1.f) + 0.4f * normal(rng), wt);
+      std::memcpy(&h_w[size_t(d) * wes], &b, wes);
+      (d < D ? wq : wk).push_back(double(bits_to_float(b, wt)));
+    }
+    d_w = std::make_unique<DeviceBuffer>(h_w.size());
+    ROPEPOOL_CUDA_OK(cudaMemcpy(d_w->ptr, h_w.data(), h_w.size(), cudaMemcpyHostToDevice));
+    hq_w = TensorView::contiguous(h_w.data(), wt, {D});
+    hk_w = TensorView::contiguous(h_w.data() + size_t(D) * wes, wt, {D});
+    const Device gpu{DeviceType::CUDA, 0};
+    RopePoolParams& params = pr->params;
+    if (c.norm_sides & 1) params.q_norm_weight = TensorView::contiguous(d_w->ptr, wt, {D}, gpu);
+    if (c.norm_sides & 2) params.k_norm_weight = TensorView::contiguous(d_w->bytes_at(size_t(D) * wes), wt, {D}, gpu);
+    params.norm_eps = 1e-6;
+    if (c.norm == 2) params.norm_style = "gemma";
+  }
+  const TensorView* norm_of(bool q) const {
+    return c.norm && (c.norm_sides & (q ? 1 : 2)) ? (q ? &hq_w : &hk_w) : nullptr;
+  }
+
+  /// SPEC §7 mRoPE positions [3, T]: row 0 the case's positions, rows 1-2 near them (a third
+  /// of the tokens text-only: three equal rows).
+  void add_mrope(Rng& rng) {
+    Problem& p = *pr;
+    const int64_t T = c.T, half = (c.R ? c.R : c.D) / 2, st = half / 4, sh = (half - st) / 2;
+    p.params.rope_scaling.mrope_section = {st, sh, half - st - sh};
+    p.params.rope_scaling.mrope_interleaved = c.mrope == 2;
+    const size_t is = c.index64 ? 8 : 4;
+    h_pos3.resize(size_t(3 * T) * is);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p0 = reference::load_index(p.host.positions, t);
+      const bool text = rng() % 3 == 0;
+      for (int64_t r = 0; r < 3; ++r) {
+        const int64_t v = p0 + (r == 0 || text ? 0 : int64_t(rng() % 64));
+        const int32_t v32 = int32_t(v);
+        std::memcpy(&h_pos3[size_t(r * T + t) * is], c.index64 ? static_cast<const void*>(&v) : &v32, is);
+      }
+    }
+    d_pos3 = std::make_unique<DeviceBuffer>(h_pos3.size());
+    ROPEPOOL_CUDA_OK(cudaMemcpy(d_pos3->ptr, h_pos3.data(), h_pos3.size(), cudaMemcpyHostToDevice));
+    const DType idt = c.index64 ? DType::Int64 : DType::Int32;
+    p.host.positions = TensorView::contiguous(h_pos3.data(), idt, {3, T});
+    p.dev.positions = TensorView::contiguous(d_pos3->ptr, idt, {3, T}, {DeviceType::CUDA, 0});
+  }
+
+  /// The exact rotation of x [T, H, D] (of its SPEC §7 normalised values when the case
+  /// normalises it) and, per element, the slack the norm's one-ulp midpoint differences
+  /// (float32: 2^-20 relative) and the float32 rotation (2^-18 (|a| + |b|)) allow, as
+  /// check_rotation allows them: 0 without a norm.
+  void exact_rotation(const TensorView& x, bool q, std::vector<double>& exact, std::vector<double>& slack) const {
+    const TensorView* w = norm_of(q);
+    const TensorView& positions = pr->host.positions;
+    if (w == nullptr) {
+      exact = reference::rotate(x, positions, schedule, c.interleaved);
+      slack.assign(exact.size(), 0.0);
+      return;
+    }
+    const bool gemma = c.norm == 2;
+    const int64_t T = x.shape[0], H = x.shape[1], D = x.shape[2], R = schedule.rotary_dim, half = R / 2;
+    const std::vector<double> y = reference::normalize(x, *w, 1e-6, gemma);
+    exact = reference::rotate(y, T, H, D, positions, schedule, c.interleaved);
+    slack.resize(exact.size());
+    const std::vector<double>& wd = q ? wq : wk;
+    for (int64_t i = 0; i < T * H; ++i)
+      for (int64_t d = 0; d < D; ++d) {
+        auto mid = [&](int64_t e) {  // the one-ulp midpoint difference of normalised element e
+          const double v = std::abs(y[size_t(i * D + e)]), a = std::abs(wd[size_t(e)]);
+          if (x.dtype == DType::Float32) return std::ldexp(v, -20);
+          if (gemma || a == 0) return reference::tolerance(x.dtype, v, 0);
+          return reference::tolerance(x.dtype, v / a, 0) * a + reference::tolerance(x.dtype, v, 0);
+        };
+        double sl = mid(d);
+        if (d < R) {
+          const int64_t other = c.interleaved ? (d ^ 1) : d < half ? d + half : d - half;
+          sl += mid(other) + std::ldexp(std::abs(y[size_t(i * D + d)]) + std::abs(y[size_t(i * D + other)]), -18);
+        }
+        slack[size_t(i * D + d)] = sl;
+      }
+  }
+
   Path plan_path(int* variant = nullptr, int* warps = nullptr) const {
     const auto plan = detail::cuda_launch::plan_launch(prob, cfg);
     if (variant) *variant = plan.pool_variant;
@@ -940,30 +1047,40 @@ struct PoolRun {
     const Problem& p = *pr;
     const auto k_out = p.fetch(*p.d_k_out);
     const TensorView k_out_view = TensorView::contiguous(const_cast<uint8_t*>(k_out.data()), c.dtype, {T, Hk, D});
+    auto how = [&](bool q) {  // SPEC §7: normalised where the call normalises
+      RotationCheck r;
+      r.norm_weight = norm_of(q);
+      r.norm_gemma = c.norm == 2;
+      return r;
+    };
     {
-      const CheckStats s = check_rotation("k", p.host.k, k_out_view, p.host.positions, schedule, c.interleaved);
+      const CheckStats s =
+          check_rotation("k", p.host.k, k_out_view, p.host.positions, schedule, c.interleaved, how(false));
       for (const auto& f : s.first) note(f.second);
       bad += std::max<int64_t>(0, s.failures - int64_t(s.first.size()));
     }
     if (!c.fp8_q) {
       const auto q_out = p.fetch(*p.d_q_out);
       const TensorView q_view = TensorView::contiguous(const_cast<uint8_t*>(q_out.data()), c.dtype, {T, Hq, D});
-      const CheckStats s = check_rotation("q", p.host.q, q_view, p.host.positions, schedule, c.interleaved);
+      const CheckStats s = check_rotation("q", p.host.q, q_view, p.host.positions, schedule, c.interleaved, how(true));
       for (const auto& f : s.first) note(f.second);
       bad += std::max<int64_t>(0, s.failures - int64_t(s.first.size()));
     } else {
       std::vector<uint8_t> q(q8->bytes);
       ROPEPOOL_CUDA_OK(cudaMemcpy(q.data(), q8->ptr, q.size(), cudaMemcpyDeviceToHost));
-      const std::vector<double> exact = reference::rotate(p.host.q, p.host.positions, schedule, c.interleaved);
+      std::vector<double> exact, slack;
+      exact_rotation(p.host.q, true, exact, slack);
       for (size_t i = 0; i < q.size(); ++i)
-        if (!e4m3_within_one(q[i], exact[i] / double(c.q_scale)))
+        if (!e4m3_within_one(q[i], exact[i] / double(c.q_scale), slack[i] / double(c.q_scale)))
           note("q_out (fp8) element " + std::to_string(i) + " = " + hex8(q[i]) + ", exact " +
                std::to_string(exact[i]) + " / q_scale " + std::to_string(c.q_scale) + " -> " +
-               hex8(e4m3_of(exact[i] / double(c.q_scale))));
+               hex8(e4m3_of(exact[i] / double(c.q_scale))) +
+               (slack[i] > 0 ? " (norm slack " + std::to_string(slack[i]) + ")" : ""));
     }
 
     // Pools: which tokens write each slot; a row must be one writer's complete k and v row.
-    const std::vector<double> k_exact = reference::rotate(p.host.k, p.host.positions, schedule, c.interleaved);
+    std::vector<double> k_exact, k_slack;
+    exact_rotation(p.host.k, false, k_exact, k_slack);
     std::vector<std::vector<int64_t>> writers(static_cast<size_t>(P));
     for (int64_t t = 0; t < T; ++t)
       if (const int64_t s = p.slot(t); s >= 0 && s < P) writers[size_t(s)].push_back(t);
@@ -986,7 +1103,7 @@ struct PoolRun {
         return false;
       }
       const double exact = k_exact[size_t((t * Hk + h) * D + d)] / double(c.k_scale);
-      bool ok = e4m3_within_one(*got, exact);
+      bool ok = e4m3_within_one(*got, exact, k_slack[size_t((t * Hk + h) * D + d)] / double(c.k_scale));
       // float32: k_out is the very value the pool element was quantised from.
       const uint8_t from_k_out = float_to_e4m3(bits_to_float(bits_at(ko, es), c.dtype) / c.k_scale);
       if (c.dtype == DType::Float32 && *got != from_k_out) ok = false;
@@ -1077,14 +1194,17 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   } catch (const std::exception& e) {
     bad = 1, first = std::string("threw ") + e.what();
   }
-  if (pc.expect_path >= 0 && int(path) != pc.expect_path) {
+  if (pc.expect_path >= 0 && !pc.norm && int(path) != pc.expect_path) {
     ++bad;
     first = std::string("plan chose the ") + path_name(path) + " path, expected " + path_name(Path(pc.expect_path)) +
             (first.empty() ? "" : "; " + first);
   }
   ++g_pool_cases;
   expect(bad == 0, what + ": " + std::to_string(bad) + " bad; first: " + first);
-  std::printf("  %-4s %-6s v%d %dw  %s\n", bad == 0 ? "ok" : "FAIL", path_name(path), variant, warps, what.c_str());
+  if (pc.norm)  // the fusion kernel (its own launch shape), with the same pool variants
+    std::printf("  %-4s fusion v%d     %s\n", bad == 0 ? "ok" : "FAIL", variant, what.c_str());
+  else
+    std::printf("  %-4s %-6s v%d %dw  %s\n", bad == 0 ? "ok" : "FAIL", path_name(path), variant, warps, what.c_str());
 }
 
 void test_paged_layouts(Rng& rng) {
@@ -1311,12 +1431,13 @@ void test_paged_slots(Rng& rng) {
     }
 }
 
-/// A captured graph reads the scales when it runs: replay, change the device floats, replay.
-void test_graph_scales(Rng& rng) {
-  std::printf("CUDA graph: scale pointers changed between two replays:\n");
+/// A captured graph reads the scales when it runs: replay, change the device floats, replay. The
+/// main kernel, and the fusion kernel (SPEC §7 norm).
+void test_graph_scales(Rng& rng, int norm) {
+  std::printf("CUDA graph: scale pointers changed between two replays%s:\n", norm ? " (QK norm)" : "");
   PoolCase c;
   c.T = 64, c.Hq = 32, c.Hk = 8, c.cache = Cache::FlashNHD, c.page_size = 16;
-  c.fp8_pool = true, c.fp8_q = true, c.scale_ptrs = true;
+  c.fp8_pool = true, c.fp8_q = true, c.scale_ptrs = true, c.norm = norm;
   PoolRun run(c, rng);
   run.set_scales(0.5f, 0.25f, 0.125f);
   cudaStream_t s;
@@ -1347,6 +1468,132 @@ void test_graph_scales(Rng& rng) {
   cudaGraphExecDestroy(ge);
   cudaGraphDestroy(g);
   cudaStreamDestroy(s);
+}
+void test_graph_scales(Rng& rng) {
+  for (int norm : {0, 1}) test_graph_scales(rng, norm);
+}
+
+/// SPEC §7 x §6: the QK norm (the fusion kernel) with paged NHD/HND pools, fp8 pools and an
+/// fp8 q_out, each case checked as the others here (every byte of the cache allocations, guards
+/// included; fp8 k within one e4m3 step of the exact rotated normalised value, up to SPEC §7's
+/// midpoint ulp; v bit-exact), with mRoPE, the K/V halves of combined caches, SPEC §3's slot
+/// rules (out-of-range slots skipped and reported, duplicates keep whole rows).
+void test_norm_caches(Rng& rng) {
+  std::printf("QK norm (SPEC §7) with paged and fp8 caches and an fp8 q_out:\n");
+  for (DType dt : {DType::BFloat16, DType::Float16, DType::Float32})
+    for (Cache cache : {Cache::NHD, Cache::HND})
+      for (int64_t ps : {1, 16, 64})
+        for (bool fp8_pool : {false, true})
+          for (bool fp8_q : {false, true}) {
+            if (g_sanitize && (dt != DType::BFloat16 || ps == 64)) continue;
+            PoolCase c;
+            c.dtype = dt, c.cache = cache, c.page_size = ps, c.T = 37, c.Hq = 8, c.Hk = 2;
+            c.norm = ps == 16 ? 2 : 1;  // "gemma" (float32 weights) at page size 16
+            c.index64 = ps == 64;
+            c.fp8_pool = fp8_pool, c.k_scale = 0.5f, c.v_scale = 0.11f;
+            c.fp8_q = fp8_q, c.q_scale = 0.05f, c.scale_ptrs = cache == Cache::HND;
+            run_pool_case(c, rng, "norm");
+          }
+  if (!g_sanitize) {
+    for (DType dt : {DType::BFloat16, DType::Float16, DType::Float32}) {
+      PoolCase base;
+      base.dtype = dt, base.cache = Cache::NHD, base.page_size = 16, base.Hq = 5, base.Hk = 3, base.norm = 1;
+      base.fp8_pool = true, base.k_scale = 0.0375f, base.v_scale = 0.07f;
+      base.fp8_q = true, base.q_scale = 0.02f;
+      // The norm runs over the whole head, the rotation over rotary_dim: partial rotary, GPT-J
+      // pairs, head sizes that are not multiples of 32.
+      for (auto [D, R, il] : {std::tuple{80, 0, false}, {34, 0, false}, {64, 32, true}, {128, 64, false},
+                              {34, 0, true}, {256, 0, false}, {96, 0, false}}) {
+        PoolCase c = base;
+        c.D = D, c.R = R, c.interleaved = il, c.norm = D == 256 ? 2 : 1;
+        run_pool_case(c, rng, "norm");
+      }
+      // NaN in q and k heads (the whole head's norm is NaN), Inf, huge, tiny and ties in v.
+      for (bool fp8 : {false, true}) {
+        PoolCase c = base;
+        c.specials = true, c.fp8_pool = c.fp8_q = fp8, c.cache = Cache::HND, c.page_size = 64;
+        run_pool_case(c, rng, "norm");
+      }
+      // One of q and k normalised; the other rotated as without a norm.
+      for (int sides : {1, 2}) {
+        PoolCase c = base;
+        c.norm_sides = sides, c.norm = sides;
+        run_pool_case(c, rng, "norm");
+      }
+      // mRoPE (Qwen2-VL sections; Qwen3-VL interleaved, which normalises q and k too).
+      for (int mrope : {1, 2})
+        for (bool fp8 : {false, true}) {
+          PoolCase c = base;
+          c.mrope = mrope, c.fp8_pool = c.fp8_q = fp8, c.cache = mrope == 2 ? Cache::HND : Cache::NHD;
+          c.D = 128, c.Hq = 8, c.Hk = 2, c.index64 = mrope == 2;
+          run_pool_case(c, rng, "norm");
+        }
+    }
+    // Page sizes beyond a power of two (the division), 256, and the 64-bit page division.
+    for (int64_t ps : {5, 256}) {
+      PoolCase c;
+      c.cache = ps == 5 ? Cache::HND : Cache::NHD, c.page_size = ps, c.norm = 1, c.Hq = 6, c.Hk = 2;
+      c.fp8_pool = ps == 5, c.k_scale = 0.25f, c.v_scale = 0.5f;
+      run_pool_case(c, rng, "norm");
+      c.claimed_pool_size = ps * (int64_t(1) << 31);
+      run_pool_case(c, rng, "norm");
+    }
+    // The K/V halves of combined caches, layers of stacked caches, padded rows.
+    for (bool fp8 : {false, true})
+      for (Cache cache : {Cache::Stack3D, Cache::StackNHD, Cache::Vllm, Cache::FlashNHD, Cache::FlashHND}) {
+        PoolCase c;
+        c.cache = cache, c.page_size = cache == Cache::Stack3D ? 1 : 16, c.T = 45, c.Hq = 6, c.Hk = 2;
+        c.norm = fp8 ? 2 : 1, c.pad = cache == Cache::Vllm ? 3 : 0;
+        c.fp8_pool = fp8, c.k_scale = 0.25f, c.v_scale = 0.0375f;
+        run_pool_case(c, rng, "norm");
+      }
+    // One token (no lock), many (locks), both kinds of pools.
+    for (int64_t T : {int64_t(1), int64_t(300)})
+      for (bool fp8 : {false, true}) {
+        PoolCase c;
+        c.T = T, c.Hq = 8, c.Hk = 4, c.cache = Cache::HND, c.page_size = 16, c.norm = 1;
+        c.fp8_pool = c.fp8_q = fp8, c.k_scale = 0.125f, c.v_scale = 0.3f, c.q_scale = 0.07f;
+        run_pool_case(c, rng, "norm");
+      }
+  }
+
+  // SPEC §3: out-of-range slots skipped (their q_rot/k_rot still written) and reported.
+  for (bool fp8 : {false, true}) {
+    PoolCase c;
+    c.T = 40, c.cache = fp8 ? Cache::HND : Cache::NHD, c.page_size = fp8 ? 5 : 16, c.pages = 3, c.norm = 1;
+    c.fp8_pool = fp8, c.fp8_q = fp8, c.k_scale = 0.5f, c.v_scale = 0.25f, c.q_scale = 0.1f;
+    const int64_t P = 3 * c.page_size;
+    c.slots.resize(size_t(c.T));
+    for (int64_t t = 0; t < c.T; ++t) c.slots[size_t(t)] = t < P ? P - 1 - t : -1 - t % 3;
+    c.slots[7] = P;  // == pool size
+    c.slots[11] = 1000;
+    PoolRun run(c, rng);
+    run.launch();
+    ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
+    std::string first;
+    const int64_t bad = run.check(first);
+    const std::string m = catch_message<BackendError>([] { cuda_check_slot_errors(); });
+    const std::string pool = "pool of " + std::to_string(P) + " slots";
+    const bool named = m.find("slots[7] = " + std::to_string(P) + " ") != std::string::npos ||
+                       m.find("slots[11] = 1000 ") != std::string::npos;
+    expect(bad == 0, std::string("norm: out-of-range slots skipped, ") + (fp8 ? "fp8" : "bf16") + ": " + first);
+    expect(named && m.find(pool) != std::string::npos, "norm: bad slot reported with " + pool + ": " + m);
+    std::printf("  %-4s norm, out-of-range slots, %s pages=3 ps=%lld (%s): %s\n",
+                bad == 0 && named ? "ok" : "FAIL", cache_name(c.cache), (long long)c.page_size,
+                fp8 ? "fp8" : "bf16", m.substr(0, 90).c_str());
+  }
+  // Duplicate slots: each row one token's complete k and v row (the row lock).
+  for (bool fp8 : {false, true})
+    for (int64_t T : {int64_t(200), int64_t(2048)}) {
+      if (g_sanitize && T > 200) continue;
+      PoolCase c;
+      c.dtype = fp8 ? DType::Float32 : DType::BFloat16;  // float32: fp8 k rows are exact too
+      c.T = T, c.Hq = 4, c.Hk = 8, c.cache = Cache::HND, c.page_size = 3, c.pages = 4, c.norm = fp8 ? 2 : 1;
+      c.fp8_pool = fp8, c.k_scale = 0.1f, c.v_scale = 0.15f, c.index64 = fp8;
+      c.slots.resize(size_t(T));
+      for (int64_t t = 0; t < T; ++t) c.slots[size_t(t)] = (3 * t) % 11;  // 11 of 12 slots
+      run_pool_case(c, rng, "norm dup");
+    }
 }
 
 // ---- the e4m3 conversion itself, on every float32 ------------------------------------------
@@ -1603,7 +1850,8 @@ void test_pools(Rng& rng) {
   test_pool_alignment(rng);
   test_paged_slots(rng);
   test_graph_scales(rng);
-  std::printf("pools (SPEC §6): %d cases\n", g_pool_cases);
+  test_norm_caches(rng);
+  std::printf("pools (SPEC §6, with SPEC §7's norm too): %d cases\n", g_pool_cases);
 }
 
 }  // namespace

@@ -30,6 +30,9 @@ import torch
 
 import ropepool
 from rope_testing import TORCH_DTYPES, raw_bits, to_f64, ulp
+# SPEC §6's cache builder (poisoned allocations with guard regions), contract check and e4m3 rule
+from test_caches import (FP8, build_cache, check_call, e4m3_ordinal, make_inputs, pool_rows,
+                         spec_e4m3)
 
 transformers = pytest.importorskip("transformers")
 
@@ -559,22 +562,22 @@ def test_fusions_under_torch_compile(rng):
 # ---- with SPEC §6's caches: paged pools, fp8 pools, fp8 q_rot ----------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_norm_combines_with_caches(kernel_device, rng, dtype):
-    """Fused norm + RoPE into a paged NHD pool, fp8 pools and an fp8 q_rot: the very bits of
-    ropepool's plain call on the normalised heads (read back at position 0) with the same
-    cache keywords. (CUDA: the norm kernel writes 3-D pools in q's dtype only, so these
-    combinations are a ValueError there.)"""
+def test_norm_combines_with_caches_bit_for_bit_on_cpu(rng, dtype):
+    """CPU: fused norm + RoPE into a paged NHD pool, fp8 pools and an fp8 q_rot gives the very
+    bits of ropepool's plain call on the normalised heads (read back at position 0) with the
+    same cache keywords (one kernel does both there; on CUDA the norm runs in the fusion kernel
+    and the plain call in the main kernel, whose float32 rotation may contract differently:
+    the tests below hold both backends to the float64 rotation and SPEC §6's e4m3 rule)."""
+    device = "cpu"
     cfg = dict(QWEN3_4B, num_qo_heads=4, num_kv_heads=2)
     T, D, Hk, P = 20, 128, 2, 64
     a = _inputs(rng, cfg, T, dtype, P=P)
     t = TORCH_DTYPES[dtype]
-    w = {n: torch.from_numpy(1 + 0.3 * rng.standard_normal(D)).to(t).to(kernel_device)
+    w = {n: torch.from_numpy(1 + 0.3 * rng.standard_normal(D)).to(t)
          for n in ("q_norm_weight", "k_norm_weight")}
-    positions = torch.from_numpy(rng.integers(0, 2**17, size=T).astype(np.int32)).to(kernel_device)
-    dev = {n: a[n].to(kernel_device) for n in ("q", "k", "v", "slots")}
-    q_y, k_y, *_ = _call(a, torch.zeros(T, dtype=torch.int32), _kw(cfg, **w), kernel_device)
-    q_y, k_y = q_y.to(kernel_device), k_y.to(kernel_device)
-    fp8 = torch.float8_e4m3fn
+    positions = torch.from_numpy(rng.integers(0, 2**17, size=T).astype(np.int32))
+    q_y, k_y, *_ = _call(a, torch.zeros(T, dtype=torch.int32), _kw(cfg, **w), device)
+    fp8 = FP8
     variants = {
         "paged NHD": (lambda: (a["k_pool"].reshape(P // 16, 16, Hk, D).clone(),
                                a["v_pool"].reshape(P // 16, 16, Hk, D).clone()),
@@ -585,18 +588,147 @@ def test_norm_combines_with_caches(kernel_device, rng, dtype):
                       dict(q_out_dtype=fp8, q_scale=0.25)),
     }
     for name, (pools, extra) in variants.items():
-        kp, vp = (x.to(kernel_device) for x in pools())
+        kp, vp = pools()
         kw = _kw(cfg, **extra)
-        if kernel_device == "cuda":
-            with pytest.raises(ValueError, match="not supported on the cuda backend yet"):
-                ropepool.rope_pool_fused(dev["q"], dev["k"], dev["v"], positions, dev["slots"],
-                                         kp, vp, **kw, **w)
-            continue
-        q_rot, k_rot, _, _ = ropepool.rope_pool_fused(dev["q"], dev["k"], dev["v"], positions,
-                                                      dev["slots"], kp, vp, **kw, **w)
-        kp2, vp2 = (x.to(kernel_device) for x in pools())
-        q_p, k_p, _, _ = ropepool.rope_pool_fused(q_y, k_y, dev["v"], positions, dev["slots"],
-                                                  kp2, vp2, **kw)
+        q_rot, k_rot, _, _ = ropepool.rope_pool_fused(a["q"], a["k"], a["v"], positions, a["slots"],
+                                                      kp, vp, **kw, **w)
+        kp2, vp2 = pools()
+        q_p, k_p, _, _ = ropepool.rope_pool_fused(q_y, k_y, a["v"], positions, a["slots"], kp2, vp2,
+                                                  **kw)
         for got, want, what in ((q_rot, q_p, "q_rot"), (k_rot, k_p, "k_rot"), (kp, kp2, "k_pool"),
                                 (vp, vp2, "v_pool")):
             np.testing.assert_array_equal(raw_bits(got), raw_bits(want), f"{name}: {what}")
+
+
+def _normalised_heads(q, k, kw, norm_kw, device):
+    """ropepool's normalised q and k heads: a call at position 0 (the identity rotation) with
+    plain pools and no pool write; every variant normalises with the same code."""
+    T, Hk, D = k.shape
+    zero = torch.zeros(T, dtype=torch.int32, device=device)
+    no_slot = torch.full((T,), -1, dtype=torch.int32, device=device)
+    pool = torch.zeros(1, Hk, D, dtype=q.dtype, device=device)
+    y_q, y_k, _, _ = ropepool.rope_pool_fused(q, k, k, zero, no_slot, pool, pool.clone(), **kw,
+                                              **norm_kw)
+    return y_q, y_k
+
+
+LAYOUTS = [("NHD", 1), ("NHD", 16), ("NHD", 64), ("HND", 1), ("HND", 16), ("HND", 64)]
+
+
+@pytest.mark.parametrize("q_fp8", [False, True], ids=["q_rot", "q_rot_fp8"])
+@pytest.mark.parametrize("fp8_pool", [False, True], ids=["pools", "pools_fp8"])
+@pytest.mark.parametrize("layout,page_size", LAYOUTS, ids=[f"{lay}{ps}" for lay, ps in LAYOUTS])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_with_every_cache_format(kernel_device, rng, dtype, layout, page_size, fp8_pool,
+                                      q_fp8):
+    """SPEC §7 x §6 on every backend: the QK norm into paged NHD/HND pools (page sizes 1, 16,
+    64) in q's dtype or float8_e4m3fn, with q_rot in q's dtype or float8_e4m3fn. The pools
+    live in a poisoned allocation with guard regions (test_caches.build_cache). ropepool's
+    normalised heads (read back at position 0) are checked against transformers' module
+    (within SPEC §7's one ulp); then the call is held to SPEC §6's contract as for the plain
+    op (test_caches.check_call) with those heads as the rotation's input: q_rot/k_rot within
+    SPEC §1's bound of their exact rotation, fp8 q_rot and k_pool within one e4m3 step of
+    e4m3(exact / scale), v_pool rows raw v or e4m3(v / v_scale) bit for bit, k_pool rows k_rot
+    bit for bit (q's dtype), every other byte of the allocation unchanged."""
+    cfg = dict(QWEN3_4B, num_qo_heads=4, num_kv_heads=2)
+    T, Hq, Hk, D = 24, cfg["num_qo_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+    pages = (80 + page_size - 1) // page_size
+    t = TORCH_DTYPES[dtype]
+    q, k, v, positions, slots, gen = make_inputs(rng, kernel_device, t, T, Hq, Hk, D,
+                                                 pages * page_size)
+    # Qwen3 "rms" with weights in q's dtype; Gemma "gemma" with float32 weights at page size 16
+    style = "gemma" if page_size == 16 else "rms"
+    wt = torch.float32 if style == "gemma" else t
+    centre = 0.0 if style == "gemma" else 1.0
+    w = {n: torch.from_numpy(centre + 0.2 * rng.standard_normal(D)).to(wt).to(kernel_device)
+         for n in ("q_norm_weight", "k_norm_weight")}
+    norm_kw = dict(w, norm_eps=cfg["eps"], norm_style=style)
+    kw = _kw(cfg)
+    y_q, y_k = _normalised_heads(q, k, kw, norm_kw, kernel_device)
+    kind = "qwen3" if style == "rms" else "gemma3"
+    for x, y, n in ((q, y_q, "q"), (k, y_k, "k")):
+        weight = w[f"{n}_norm_weight"].cpu()
+        with torch.no_grad():
+            y_tf = _norm_module(kind, D, cfg["eps"], weight)(x.cpu()).to(t)
+        _assert_norm_close(y.cpu(), y_tf, dtype, f"{n}: {kind} norm",
+                           weight if style == "rms" else None)
+
+    k_pool, v_pool, arena = build_cache("own", layout, pages, page_size, Hk, D,
+                                        FP8 if fp8_pool else t, kernel_device, gen)
+    before = arena.cpu().clone()
+    # scales as numbers, and (HND) as tensors read when the kernel runs
+    scales = dict(k_scale=0.05, v_scale=0.5, q_scale=0.03)
+    as_arg = {n: (torch.tensor([s], device=kernel_device) if layout == "HND" else s)
+              for n, s in scales.items()}
+    extra = dict(k_scale=as_arg["k_scale"], v_scale=as_arg["v_scale"]) if fp8_pool else {}
+    if q_fp8:
+        extra.update(q_out_dtype=FP8, q_scale=as_arg["q_scale"])
+    out = ropepool.rope_pool_fused(q, k, v, positions, slots, k_pool, v_pool, kv_layout=layout,
+                                   **kw, **extra, **norm_kw)
+    assert out[0].dtype == (FP8 if q_fp8 else t) and out[1].dtype == t
+    check_call(y_q, y_k, v, positions, slots, k_pool, v_pool, before, arena, out, layout=layout,
+               fp8=fp8_pool, k_scale=scales["k_scale"], v_scale=scales["v_scale"],
+               rope_base=cfg["rope_base"], q_fp8=q_fp8, q_scale=scales["q_scale"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_and_mrope_with_fp8_paged_cache(kernel_device, rng, dtype):
+    """Qwen3-VL as deployed with an FP8 attention kernel: its q/k norm and interleaved mRoPE,
+    k and v into an fp8 HND paged cache, q_rot in fp8. Against transformers' mRoPE code on
+    ropepool's normalised heads (float64 angles) and SPEC §6's e4m3 rule; pool rows that no
+    token writes keep their bits."""
+    cfg = dict(QWEN3_VL_4B, num_qo_heads=8, num_kv_heads=2)
+    T, Hq, Hk, D, ps, pages = 40, 8, 2, cfg["head_dim"], 16, 6
+    a = _inputs(rng, cfg, T, dtype, P=pages * ps)
+    t = TORCH_DTYPES[dtype]
+    dev = {n: a[n].to(kernel_device) for n in ("q", "k", "v", "slots")}
+    positions = _mrope_positions(rng, T, "int64").to(kernel_device)
+    section = cfg["rope_scaling"]["mrope_section"]
+    w = {n: torch.from_numpy(1 + 0.2 * rng.standard_normal(D)).to(t).to(kernel_device)
+         for n in ("q_norm_weight", "k_norm_weight")}
+    norm_kw = dict(w, norm_eps=cfg["eps"])
+    kw = _kw(cfg)
+    # normalised heads: the same call at position 0 ([3, T] zeros), plain pools, no write
+    zero = torch.zeros((3, T), dtype=torch.int64, device=kernel_device)
+    pool = torch.zeros(1, Hk, D, dtype=t, device=kernel_device)
+    no_slot = torch.full((T,), -1, dtype=torch.int32, device=kernel_device)
+    y_q, y_k, _, _ = ropepool.rope_pool_fused(dev["q"], dev["k"], dev["v"], zero, no_slot, pool,
+                                              pool.clone(), **kw, **norm_kw)
+
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 62)))
+    k_pool = torch.randint(0, 256, (pages, Hk, ps, D), dtype=torch.uint8, generator=gen)
+    v_pool = torch.randint(0, 256, (pages, Hk, ps, D), dtype=torch.uint8, generator=gen)
+    before = (k_pool.clone(), v_pool.clone())
+    k_pool, v_pool = k_pool.view(FP8).to(kernel_device), v_pool.view(FP8).to(kernel_device)
+    k_scale, v_scale, q_scale = 0.04, 0.3, torch.tensor([0.02], device=kernel_device)
+    q_rot, k_rot, _, _ = ropepool.rope_pool_fused(
+        dev["q"], dev["k"], dev["v"], positions, dev["slots"], k_pool, v_pool, kv_layout="HND",
+        k_scale=k_scale, v_scale=v_scale, q_out_dtype=FP8, q_scale=q_scale, **kw, **norm_kw)
+    assert q_rot.dtype == FP8 and k_rot.dtype == t
+
+    inv_freq = _inv_freq(cfg["rope_base"], D)
+    exact = {n: _hf_mrope_exact("qwen3_vl", torch.from_numpy(to_f64(y)), positions.cpu(),
+                                inv_freq, section, True)
+             for n, y in (("q", y_q), ("k", y_k))}
+    want_q = spec_e4m3((exact["q"] / 0.02).float())
+    d = (e4m3_ordinal(q_rot.cpu()) - e4m3_ordinal(want_q)).abs()
+    assert d.max() <= 1, f"q_rot (fp8) off by {d.max()} e4m3 steps"
+    y64 = torch.from_numpy(to_f64(y_k))
+    _assert_close(k_rot, exact["k"], y64, dtype, "k_rot (mRoPE of the normalised head)")
+    slots = a["slots"]
+    written = slots >= 0
+    ws = slots[written]
+    k_rows = pool_rows(k_pool, ws.to(kernel_device), "HND").cpu()
+    v_rows = pool_rows(v_pool, ws.to(kernel_device), "HND").cpu()
+    want_k = spec_e4m3((exact["k"][written] / k_scale).float())
+    d = (e4m3_ordinal(k_rows) - e4m3_ordinal(want_k)).abs()
+    assert d.max() <= 1, f"k_pool rows off by {d.max()} e4m3 steps"
+    want_v = spec_e4m3(a["v"][written].float() / torch.tensor(v_scale, dtype=torch.float32))
+    assert torch.equal(v_rows.view(torch.uint8), want_v.view(torch.uint8)), "v_pool rows"
+    # every row no token writes keeps its bits (HND: row r of page p is [p, :, r])
+    untouched = torch.ones(pages * ps, dtype=torch.bool)
+    untouched[ws.long()] = False
+    for now, was in ((k_pool, before[0]), (v_pool, before[1])):
+        rows_now = now.cpu().view(torch.uint8).permute(0, 2, 1, 3).reshape(pages * ps, Hk, D)
+        rows_was = was.permute(0, 2, 1, 3).reshape(pages * ps, Hk, D)
+        assert torch.equal(rows_now[untouched], rows_was[untouched]), "an unwritten row changed"
