@@ -363,15 +363,15 @@ struct Checker {
       fail("rope_pool_fused: unsupported device; expected cpu or cuda tensors");
   }
 
-  // Caller-allocated outputs (the C++ API; the Python layer allocates them itself). q_out
-  // may also be float8_e4m3fn (SPEC §6, quantised with q_scale).
+  // Outputs: caller-allocated (the C++ API, Python's q_out=/k_out=) or allocated by the
+  // Python layer. q_out may also be float8_e4m3fn (SPEC §6, quantised with q_scale).
   void outputs() const {
     for (auto [a, out, in] : {std::tuple{Arg::q_out, &t.q_out, &t.q}, {Arg::k_out, &t.k_out, &t.k}})
       if (!same_shape(*out, *in) ||
           (out->dtype != in->dtype && !(a == Arg::q_out && out->dtype == DType::Float8E4M3FN)))
         fail(std::string("rope_pool_fused: ") + arg_name(a) + " must have the shape and dtype of " +
-             arg_name(a == Arg::q_out ? Arg::q : Arg::k) + ", got " + shape(a, *out) + " " +
-             dtype_name(out->dtype));
+             arg_name(a == Arg::q_out ? Arg::q : Arg::k) + " (" + shape(a == Arg::q_out ? Arg::q : Arg::k, *in) +
+             " " + dtype_name(in->dtype) + "), got " + shape(a, *out) + " " + dtype_name(out->dtype));
   }
 
   // SPEC §6: k_scale/v_scale only with float8_e4m3fn pools, q_scale only with a

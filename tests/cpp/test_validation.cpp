@@ -162,16 +162,18 @@ const std::vector<Mutation>& mutations() {
        "rope_pool_fused: all tensors must be on one device, got q on cpu and v_pool on cuda:0", true},
       {"q_out_shape", [](Case& c) { c.tensors.q_out.shape[1] -= 1; },
        [](const Case& c) {
-         return "rope_pool_fused: q_out must have the shape and dtype of q, got " + shape_str(c.tensors.q_out) +
+         return "rope_pool_fused: q_out must have the shape and dtype of q (" + shape_str(c.tensors.q) + " " +
+                dtype_str(c.tensors.q.dtype) + "), got " + shape_str(c.tensors.q_out) +
                 " " + dtype_str(c.tensors.q_out.dtype);
        },
-       "rope_pool_fused: q_out must have the shape and dtype of q, got [2, 7, 128] float32", false},
+       "rope_pool_fused: q_out must have the shape and dtype of q ([2, 8, 128] float32), got [2, 7, 128] float32", false},
       {"k_out_dtype", [](Case& c) { c.tensors.k_out.dtype = DType::BFloat16; },
        [](const Case& c) {
-         return "rope_pool_fused: k_out must have the shape and dtype of k, got " + shape_str(c.tensors.k_out) +
+         return "rope_pool_fused: k_out must have the shape and dtype of k (" + shape_str(c.tensors.k) + " " +
+                dtype_str(c.tensors.k.dtype) + "), got " + shape_str(c.tensors.k_out) +
                 " " + dtype_str(c.tensors.k_out.dtype);
        },
-       "rope_pool_fused: k_out must have the shape and dtype of k, got [2, 2, 128] bfloat16", false},
+       "rope_pool_fused: k_out must have the shape and dtype of k ([2, 2, 128] float32), got [2, 2, 128] bfloat16", false},
       {"last_dim_stride", [](Case& c) { c.tensors.k.strides[2] = 2; },
        [](const Case& c) {
          return "rope_pool_fused: k must have a contiguous last dimension (stride 1), got strides " +
@@ -453,17 +455,17 @@ TEST_F(Validation, OutputsMustMatchInputs) {
   {
     auto c = fresh();
     c->tensors.q_out.dtype = DType::Float16;
-    expect_rejected(*c, "rope_pool_fused: q_out must have the shape and dtype of q, got [2, 8, 128] float16");
+    expect_rejected(*c, "rope_pool_fused: q_out must have the shape and dtype of q ([2, 8, 128] float32), got [2, 8, 128] float16");
   }
   {
     auto c = fresh();
     c->tensors.k_out.shape[2] = 64;
-    expect_rejected(*c, "rope_pool_fused: k_out must have the shape and dtype of k, got [2, 2, 64] float32");
+    expect_rejected(*c, "rope_pool_fused: k_out must have the shape and dtype of k ([2, 2, 128] float32), got [2, 2, 64] float32");
   }
   {
     auto c = fresh();
     c->tensors.q_out = c->buffer_of(c->tensors.q_out).contiguous({2, 1024});
-    expect_rejected(*c, "rope_pool_fused: q_out must have the shape and dtype of q, got [2, 1024] float32");
+    expect_rejected(*c, "rope_pool_fused: q_out must have the shape and dtype of q ([2, 8, 128] float32), got [2, 1024] float32");
   }
 }
 
@@ -531,7 +533,7 @@ TEST_F(Validation, ShapeFormatterPrintsEachArgument) {
       {"k_pool_shape", "k_pool has incompatible shape torch.Size(k_pool[16, 2, 126])"},
       {"v_pool_shape", "v_pool shape must match k_pool shape, got torch.Size(v_pool[15, 2, 128]) vs "
           "torch.Size(k_pool[16, 2, 128])"},
-      {"q_out_shape", "rope_pool_fused: q_out must have the shape and dtype of q, got torch.Size(q_out[2, 7, 128]) float32"},
+      {"q_out_shape", "rope_pool_fused: q_out must have the shape and dtype of q (torch.Size(q[2, 8, 128]) float32), got torch.Size(q_out[2, 7, 128]) float32"},
   };
   for (const auto& [name, message] : cases) {
     SCOPED_TRACE(name);

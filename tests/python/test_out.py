@@ -203,19 +203,24 @@ def _empty(device, *shape, dtype=torch.float32):
 # Every message names what was received; the core's name what was expected.
 BAD_OUTS = {
     "q_out_shape": (lambda c, d: dict(q_out=_empty(d, T, HQ, D + 2)), ValueError,
-                    "rope_pool_fused: q_out must have the shape and dtype of q, got "
+                    "rope_pool_fused: q_out must have the shape and dtype of q "
+                    f"(torch.Size([{T}, {HQ}, {D}]) float32), got "
                     f"torch.Size([{T}, {HQ}, {D + 2}]) float32", None),
     "q_out_tokens": (lambda c, d: dict(q_out=_empty(d, T + 1, HQ, D)), ValueError,
-                     "rope_pool_fused: q_out must have the shape and dtype of q, got "
+                     "rope_pool_fused: q_out must have the shape and dtype of q "
+                     f"(torch.Size([{T}, {HQ}, {D}]) float32), got "
                      f"torch.Size([{T + 1}, {HQ}, {D}]) float32", None),
     "q_out_dtype": (lambda c, d: dict(q_out=_empty(d, T, HQ, D, dtype=torch.float16)), ValueError,
-                    "rope_pool_fused: q_out must have the shape and dtype of q, got "
+                    "rope_pool_fused: q_out must have the shape and dtype of q "
+                    f"(torch.Size([{T}, {HQ}, {D}]) float32), got "
                     f"torch.Size([{T}, {HQ}, {D}]) float16", None),
     "k_out_shape": (lambda c, d: dict(k_out=_empty(d, T, HQ, D)), ValueError,
-                    "rope_pool_fused: k_out must have the shape and dtype of k, got "
+                    "rope_pool_fused: k_out must have the shape and dtype of k "
+                    f"(torch.Size([{T}, {HK}, {D}]) float32), got "
                     f"torch.Size([{T}, {HQ}, {D}]) float32", None),
     "k_out_dtype": (lambda c, d: dict(k_out=_empty(d, T, HK, D, dtype=torch.bfloat16)), ValueError,
-                    "rope_pool_fused: k_out must have the shape and dtype of k, got "
+                    "rope_pool_fused: k_out must have the shape and dtype of k "
+                    f"(torch.Size([{T}, {HK}, {D}]) float32), got "
                     f"torch.Size([{T}, {HK}, {D}]) bfloat16", None),
     "q_out_last_dim_strided": (
         lambda c, d: dict(q_out=_empty(d, T, HQ, 2 * D)[..., ::2]), ValueError,
@@ -354,8 +359,8 @@ def test_numpy_out(rng, dtype):
 def test_numpy_out_errors(rng):
     case = make_case("numpy", "float32", rng, T=T, Hq=HQ, Hk=HK, D=D, P=P)
     check_error(case, dict(q_out=np.empty((T, HQ, D), np.float64)), ValueError,
-                "rope_pool_fused: q_out must have the shape and dtype of q, got "
-                f"({T}, {HQ}, {D}) float64", None)
+                "rope_pool_fused: q_out must have the shape and dtype of q "
+                f"(({T}, {HQ}, {D}) float32), got ({T}, {HQ}, {D}) float64", None)
     read_only = np.empty((T, HK, D), np.float32)
     read_only.flags.writeable = False
     check_error(case, dict(k_out=read_only), TypeError,
