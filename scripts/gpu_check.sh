@@ -10,6 +10,8 @@
 #                           # whole suite) and the decode example without a CUDA graph;
 #                           # pytest runs only the GPU cases (-m gpu)
 #   GPU_CHECK_PROFILE=1 ...                        # also Nsight Compute on the C++ benchmark
+#   GPU_CHECK_BENCHES="py mla" ...  # which benchmarks step 6 runs (default: cpp py mla), so
+#                                   # that the long ones can go in separate calls
 #
 # Expects: nvcc, python3 with torch (CUDA), nanobind, scikit-build-core, pytest, cmake and
 # ninja already installed; downloads nothing (pip runs with --no-build-isolation --no-deps).
@@ -221,7 +223,8 @@ fi
 if [ "${GPU_CHECK_BENCH:-1}" = 0 ]; then
   step "benchmarks" 0 "SKIPPED" "GPU_CHECK_BENCH=0"
 else
-  if [ -x "$CUDA_BENCH" ]; then
+  BENCHES=" ${GPU_CHECK_BENCHES:-cpp py mla} "
+  if [ -x "$CUDA_BENCH" ] && [[ $BENCHES == *" cpp "* ]]; then
     # The kernel alone from C++ (no Python), with and without PDL.
     run_step "CUDA C++ bench (bench/cuda)" "$LOGS/selftest.log" 300 "$CUDA_BENCH"
   fi
@@ -229,10 +232,10 @@ else
     # The main table, the cache formats (§6) and the fusions (§7, with a torch.compile build
     # of its own), one JSON. The watchdog stays below the step's kill, so a hang prints every
     # thread's stack.
-    run_step "bench/gpu_bench.py" "$LOGS/bench.log" 540 \
+    [[ $BENCHES == *" py "* ]] && run_step "bench/gpu_bench.py" "$LOGS/bench.log" 540 \
       bash -c "cd /tmp && OUT='$LOGS' ROPEPOOL_BENCH_WATCHDOG_S=${ROPEPOOL_BENCH_WATCHDOG_S:-480} \
         $PY '$ROOT/bench/gpu_bench.py' --json '$LOGS/gpu_bench.json'"
-    run_step "bench/gpu_bench_mla.py" "$LOGS/bench.log" 360 \
+    [[ $BENCHES == *" mla "* ]] && run_step "bench/gpu_bench_mla.py" "$LOGS/bench.log" 360 \
       bash -c "cd /tmp && $PY '$ROOT/bench/gpu_bench_mla.py'"  # figures in bench.log (8 log files at most)
   fi
 fi
