@@ -220,4 +220,211 @@ __global__ void __launch_bounds__(kFusionWarps * 32)
     record_slot_error(p.error_record, t, slot, p.pool_size);
 }
 
+// ---- the vector path ---------------------------------------------------------------------------
+//
+// rope_pool_fusion_kernel above is element-wise and a warp works through its heads one after
+// the other, so each head is a chain of memory latencies: right for any geometry, slow (a few
+// percent of the copy ceiling). When the geometry allows, this kernel runs instead. A unit is
+// one 16-byte vector of a head (kVec elements) and a head's D / kVec units sit in consecutive
+// lanes of one warp (D / kVec is a power of two up to 32), so its sum of squares is a
+// butterfly of shuffles inside that lane group and the NeoX partner of a vector (half / kVec
+// vectors on, also a power of two) is one shuffle away; GPT-J pairs never leave their vector.
+// All the token's units (q heads, k heads, then v vectors) are spread over the CTA, kFusionUnits
+// per thread whose loads are issued before any of them is used. The pool row is written by
+// many warps, so with several tokens (possible duplicate slots, SPEC §3) thread 0 holds the
+// row's lock for the CTA, between two barriers.
+
+constexpr int kFusionUnits = 2;  ///< units per thread per round, loads issued together
+
+/// The vector path's geometry (kernel parameter).
+struct FusionVecGeometry {
+  int group_shift;   ///< log2(D / kVec): lanes per head
+  int pair_xor;      ///< NeoX: half / kVec (the partner lane's distance); GPT-J: unused
+  int rot_units;     ///< vectors of a head inside rotary_dim
+  int qk_units;      ///< (Hq + Hk) * D / kVec
+  int units;         ///< qk_units + Hk * D / kVec
+  int rounds;        ///< ceil(units / (kFusionUnits * blockDim.x))
+};
+
+template <class E, int kVec, int kPool>
+__global__ void __launch_bounds__(1024, 1)
+    rope_pool_fusion_vec_kernel(const __grid_constant__ KernelParams<kMaxHalfRotary, kPool != 0> p,
+                                const __grid_constant__ FusionParams f,
+                                const __grid_constant__ FusionVecGeometry g) {
+  using IO = VecIO<E, kVec>;
+  using Raw = typename IO::Raw;
+  using Bits = typename E::Bits;
+  using Fp8 = Fp8IO<kVec>;
+  constexpr bool kPaged = (kPool & kPoolPaged) != 0, kFp8Pool = (kPool & kPoolFp8) != 0;
+  constexpr bool kFp8QOut = (kPool & kQOutFp8) != 0;
+  extern __shared__ float4 shared[];
+  const int half = p.rotary_dim / 2, D = p.head_dim, tid = threadIdx.x;
+  Fp8Divisor* const divisors = reinterpret_cast<Fp8Divisor*>(shared);  // kPool != 0
+  float* const cos_row = reinterpret_cast<float*>(shared) + (kPool != 0 ? kPoolSharedBytes / 4 : 0);
+  float* const sin_row = cos_row + half;
+  const int64_t t = blockIdx.x;
+
+  wait_for_previous_grid();
+  if constexpr (kFp8Pool || kFp8QOut) {
+    if (tid < 3)
+      divisors[tid] = fp8_divisor(p.pool.scale_ptr[tid] != nullptr ? __ldg(p.pool.scale_ptr[tid])
+                                                                  : p.pool.scale_value[tid]);
+  }
+  if (tid < half) {  // the main kernel's table, mRoPE included
+    const int64_t pos = load_index(p.positions, p.positions_stride, p.positions_int64, t);
+    for (int e = tid; e < half; e += blockDim.x)
+      angle_sincos(p.mrope ? mrope_position(p, e, t, pos) : pos, p.inv_freq[e],
+                   p.attention_scaling, &cos_row[e], &sin_row[e]);
+  }
+  const int64_t slot = load_index(p.slots, p.slots_stride, p.slots_int64, t);
+  __syncthreads();
+  allow_next_grid();
+
+  // The pool row (SPEC §1, §3: negative slots skip it, slots >= pool_size are reported).
+  const bool to_pool = slot >= 0 && slot < p.pool_size;
+  int64_t kp_row = slot * p.kp_row, vp_row = slot * p.vp_row;
+  if constexpr (kPaged) {
+    int64_t page, row;
+    if (p.pool.page_shift >= 0) {
+      page = slot >> p.pool.page_shift;
+      row = slot & (p.pool.page_size - 1);
+    } else {
+      page = slot / p.pool.page_size;
+      row = slot - page * p.pool.page_size;
+    }
+    kp_row = page * p.kp_row + row * p.pool.kp_in_page;
+    vp_row = page * p.vp_row + row * p.pool.vp_in_page;
+  }
+  const bool locked = to_pool && p.pool_write_mode == kPoolWriteLock;  // the same for the CTA
+  if (locked) {
+    if (tid == 0) {
+      while (atomicCAS(slot_lock(slot), 0u, 1u) != 0u) __nanosleep(32);
+      __threadfence();
+    }
+    __syncthreads();
+  }
+
+  const int per_head = 1 << g.group_shift, lane_group_mask = per_head - 1;
+  const int Hq = p.num_qo_heads;
+  for (int round = 0; round < g.rounds; ++round) {
+    int unit[kFusionUnits];
+    Raw x[kFusionUnits] = {};
+#pragma unroll
+    for (int k = 0; k < kFusionUnits; ++k) {  // every load of the round first
+      const int i = (round * kFusionUnits + k) * int(blockDim.x) + tid;
+      unit[k] = i;
+      const int c = i & lane_group_mask;
+      if (i < g.qk_units) {
+        const int h = i >> g.group_shift;
+        x[k] = h < Hq ? IO::load(static_cast<const Bits*>(p.q) + t * p.q_row + h * p.q_head + c * kVec)
+                      : IO::load(static_cast<const Bits*>(p.k) + t * p.k_row + (h - Hq) * p.k_head + c * kVec);
+      } else if (i < g.units && to_pool) {
+        const int h = (i - g.qk_units) >> g.group_shift;
+        x[k] = IO::load(static_cast<const Bits*>(p.v) + t * p.v_row + h * p.v_head + c * kVec);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kFusionUnits; ++k) {
+      const int i = unit[k], c = i & lane_group_mask, h = i >> g.group_shift;
+      const bool qk = i < g.qk_units, is_q = h < Hq;
+      float v[kVec];
+      IO::to_float(x[k], v);
+      if constexpr (std::is_same_v<E, F16>) IO::keep_nan_signs(x[k], v);
+      if (!qk) {  // a v vector (or nothing): raw bits, or e4m3 from its input element
+        if (i < g.units && to_pool) {
+          const int hv = (i - g.qk_units) >> g.group_shift;
+          if constexpr (kFp8Pool) {
+            Fp8::store(static_cast<uint8_t*>(p.v_pool) + vp_row + hv * p.vp_head + c * kVec,
+                       Fp8::quantize(v, divisors[1]));
+          } else {
+            IO::store(static_cast<Bits*>(p.v_pool) + vp_row + hv * p.vp_head + c * kVec, x[k]);
+          }
+        }
+      }
+      // The head's sum of squares, then the norm (every lane takes part in the shuffles, so
+      // lanes of v vectors and past the end compute values nobody uses).
+      float sum = 0.f;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) sum += v[e] * v[e];
+      for (int m = per_head >> 1; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+      const void* w = is_q ? f.q_norm_weight : f.k_norm_weight;
+      if (qk && w != nullptr) {
+        const float r = 1.0f / sqrtf(sum / float(D) + f.norm_eps);  // IEEE sqrt and division
+        float wv[kVec];
+        if (is_q ? f.q_norm_float32 : f.k_norm_float32) {
+#pragma unroll
+          for (int e = 0; e < kVec; e += 4) {
+            const float4 w4 = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(w) + c * kVec + e));
+            wv[e] = w4.x, wv[e + 1] = w4.y, wv[e + 2] = w4.z, wv[e + 3] = w4.w;
+          }
+        } else {
+          IO::to_float(IO::load(static_cast<const Bits*>(w) + c * kVec), wv);
+        }
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          const float n = v[e] * r;
+          v[e] = f.norm_gemma ? round_to<E>(n * (1.0f + wv[e])) : round_to<E>(round_to<E>(n) * wv[e]);
+        }
+      }
+      // The rotation: o, each element in float32 before its one rounding.
+      float o[kVec];
+      if (f.interleaved) {
+#pragma unroll
+        for (int e = 0; e < kVec; e += 2) {
+          const int d = c * kVec + e;
+          if (d < p.rotary_dim) {
+            const float co = cos_row[d / 2], si = sin_row[d / 2];
+            o[e] = v[e] * co - v[e + 1] * si;
+            o[e + 1] = v[e] * si + v[e + 1] * co;
+          } else {
+            o[e] = v[e], o[e + 1] = v[e + 1];
+          }
+        }
+      } else {
+        float other[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) other[e] = __shfl_xor_sync(0xffffffffu, v[e], g.pair_xor);
+        const bool first = c < g.pair_xor;
+        const int j = (first ? c : c - g.pair_xor) * kVec;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          if (c < g.rot_units) {
+            const float co = cos_row[j + e], si = sin_row[j + e];
+            o[e] = first ? v[e] * co - other[e] * si : other[e] * si + v[e] * co;
+          } else {
+            o[e] = v[e];
+          }
+        }
+      }
+      if (!qk) continue;
+      if (is_q) {
+        if constexpr (kFp8QOut) {
+          Fp8::store(static_cast<uint8_t*>(p.q_out) + t * p.qo_row + h * p.qo_head + c * kVec,
+                     Fp8::quantize(o, divisors[2]));
+        } else {
+          IO::store(static_cast<Bits*>(p.q_out) + t * p.qo_row + h * p.qo_head + c * kVec, IO::from_float(o));
+        }
+      } else {
+        const int hk = h - Hq;
+        const Raw bits = IO::from_float(o);
+        IO::store(static_cast<Bits*>(p.k_out) + t * p.ko_row + hk * p.ko_head + c * kVec, bits);
+        if (to_pool) {
+          if constexpr (kFp8Pool) {
+            Fp8::store(static_cast<uint8_t*>(p.k_pool) + kp_row + hk * p.kp_head + c * kVec,
+                       Fp8::quantize(o, divisors[0]));
+          } else {
+            IO::store(static_cast<Bits*>(p.k_pool) + kp_row + hk * p.kp_head + c * kVec, bits);
+          }
+        }
+      }
+    }
+  }
+  if (locked) {
+    __threadfence();  // every thread's pool stores are visible before the lock is free
+    __syncthreads();
+    if (tid == 0) atomicExch(slot_lock(slot), 0u);
+  }
+  if (tid == 0 && slot >= p.pool_size) record_slot_error(p.error_record, t, slot, p.pool_size);
+}
+
 }  // namespace ropepool::cuda

@@ -406,6 +406,39 @@ bool has_fusions(const RopePoolProblem& p) {
   return p.q_norm_weight != nullptr || p.k_norm_weight != nullptr;
 }
 
+/// The vector path of the fusion kernel (fusion_kernel.cuh), where the geometry allows it:
+/// 16-byte accesses everywhere (rows, heads, pools, weights aligned), D / kVec lanes per head a
+/// power of two up to 32, and (NeoX) half / kVec a power of two. Fills `g` and returns true.
+bool fusion_vector_geometry(const RopePoolProblem& p, cuda::FusionVecGeometry& g, int& threads) {
+  const size_t es = dtype_size(p.dtype), pool_es = dtype_size(p.pool_dtype), q_out_es = dtype_size(p.q_out_dtype);
+  const int vec = int(16 / es);
+  const int64_t T = p.num_tokens, D = p.head_dim, R = p.rotary_dim, half = R / 2;
+  const auto power_of_two = [](int64_t x) { return x > 0 && (x & (x - 1)) == 0; };
+  if (D % vec != 0 || !power_of_two(D / vec) || D / vec > 32) return false;
+  if (!p.interleaved && (half % vec != 0 || !power_of_two(half / vec))) return false;
+  const auto weight_ok = [](const void* w) { return w == nullptr || reinterpret_cast<uintptr_t>(w) % 16 == 0; };
+  if (!weight_ok(p.q_norm_weight) || !weight_ok(p.k_norm_weight)) return false;
+  const int64_t pool_bytes = int64_t(vec * pool_es), q_out_bytes = int64_t(vec * q_out_es);
+  if (!rows_aligned(p.q, T, p.num_qo_heads, es, 16) || !rows_aligned(p.q_out, T, p.num_qo_heads, q_out_es, q_out_bytes) ||
+      !rows_aligned(p.k, T, p.num_kv_heads, es, 16) || !rows_aligned(p.k_out, T, p.num_kv_heads, es, 16) ||
+      !rows_aligned(p.v, T, p.num_kv_heads, es, 16) ||
+      !pool_aligned(p.k_pool, p.pool_size, p.page_size, p.num_kv_heads, pool_es, pool_bytes) ||
+      !pool_aligned(p.v_pool, p.pool_size, p.page_size, p.num_kv_heads, pool_es, pool_bytes))
+    return false;
+  const int per_head = int(D / vec);
+  g.group_shift = 0;
+  while ((1 << g.group_shift) < per_head) ++g.group_shift;
+  g.pair_xor = p.interleaved ? 0 : int(half / vec);
+  g.rot_units = int(R / vec);
+  g.qk_units = int((p.num_qo_heads + p.num_kv_heads) * per_head);
+  g.units = g.qk_units + int(p.num_kv_heads * per_head);
+  const int per_thread = cuda::kFusionUnits;
+  threads = std::min(1024, (g.units + per_thread - 1) / per_thread);
+  threads = (threads + 31) / 32 * 32;
+  g.rounds = (g.units + per_thread * threads - 1) / (per_thread * threads);
+  return true;
+}
+
 template <class E, int kPool>
 void launch_fusion_variant(const RopePoolProblem& p, const LaunchPlan& plan,
                            const cuda::FusionParams& f, SlotErrorRecord* record,
@@ -424,6 +457,15 @@ void launch_fusion_variant(const RopePoolProblem& p, const LaunchPlan& plan,
   attr.val.programmaticStreamSerializationAllowed = 1;
   launch.attrs = &attr;
   launch.numAttrs = 1;
+  cuda::FusionVecGeometry g{};
+  int threads = 0;
+  if (fusion_vector_geometry(p, g, threads)) {
+    launch.blockDim = dim3(unsigned(threads));
+    launch.dynamicSmemBytes = sizeof(float) * size_t(p.rotary_dim) + (kPool != 0 ? cuda::kPoolSharedBytes : 0);
+    check(cudaLaunchKernelEx(&launch, cuda::rope_pool_fusion_vec_kernel<E, int(16 / E::kBytes), kPool>, params, f, g),
+          "cudaLaunchKernelEx (rope_pool_fusion_vec_kernel)");
+    return;
+  }
   check(cudaLaunchKernelEx(&launch, cuda::rope_pool_fusion_kernel<E, kPool>, params, f),
         "cudaLaunchKernelEx (rope_pool_fusion_kernel)");
 }
