@@ -12,6 +12,7 @@
 #   GPU_CHECK_PROFILE=1 ...                        # also Nsight Compute on the C++ benchmark
 #   GPU_CHECK_BENCHES="py mla" ...  # which benchmarks step 6 runs (default: cpp py mla), so
 #                                   # that the long ones can go in separate calls
+#   GPU_BENCH_ARGS="--tokens 1 --cache-tokens ''" ...  # extra arguments of bench/gpu_bench.py
 #
 # Expects: nvcc, python3 with torch (CUDA), nanobind, scikit-build-core, pytest, cmake and
 # ninja already installed; downloads nothing (pip runs with --no-build-isolation --no-deps).
@@ -234,7 +235,7 @@ else
     # thread's stack.
     [[ $BENCHES == *" py "* ]] && run_step "bench/gpu_bench.py" "$LOGS/bench.log" 540 \
       bash -c "cd /tmp && OUT='$LOGS' ROPEPOOL_BENCH_WATCHDOG_S=${ROPEPOOL_BENCH_WATCHDOG_S:-480} \
-        $PY '$ROOT/bench/gpu_bench.py' --json '$LOGS/gpu_bench.json'"
+        $PY '$ROOT/bench/gpu_bench.py' --json '$LOGS/gpu_bench.json' ${GPU_BENCH_ARGS:-}"
     [[ $BENCHES == *" mla "* ]] && run_step "bench/gpu_bench_mla.py" "$LOGS/bench.log" 360 \
       bash -c "cd /tmp && $PY '$ROOT/bench/gpu_bench_mla.py'"  # figures in bench.log (8 log files at most)
   fi
