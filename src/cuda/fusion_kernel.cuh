@@ -230,7 +230,8 @@ __global__ void __launch_bounds__(kFusionWarps * 32)
 // butterfly of shuffles inside that lane group and the NeoX partner of a vector (half / kVec
 // vectors on, also a power of two) is one shuffle away; GPT-J pairs never leave their vector.
 // All the token's units (q heads, k heads, then v vectors) are spread over the CTA, kFusionUnits
-// per thread whose loads are issued before any of them is used. The pool row is written by
+// per thread whose loads are issued before any of them is used (the first ones right after
+// the wait, in flight while the table is built). The pool row is written by
 // many warps, so with several tokens (possible duplicate slots, SPEC §3) thread 0 holds the
 // row's lock for the CTA, between two barriers.
 
@@ -263,8 +264,29 @@ __global__ void __launch_bounds__(1024, 1)
   float* const cos_row = reinterpret_cast<float*>(shared) + (kPool != 0 ? kPoolSharedBytes / 4 : 0);
   float* const sin_row = cos_row + half;
   const int64_t t = blockIdx.x;
+  const int per_head = 1 << g.group_shift, lane_group_mask = per_head - 1;
+  const int Hq = p.num_qo_heads;
+  int unit[kFusionUnits];
+  Raw x[kFusionUnits] = {};
+  const auto load_round = [&](int round) {
+#pragma unroll
+    for (int k = 0; k < kFusionUnits; ++k) {  // every load of the round first
+      const int i = (round * kFusionUnits + k) * int(blockDim.x) + tid;
+      unit[k] = i;
+      const int c = i & lane_group_mask;
+      if (i < g.qk_units) {
+        const int h = i >> g.group_shift;
+        x[k] = h < Hq ? IO::load(static_cast<const Bits*>(p.q) + t * p.q_row + h * p.q_head + c * kVec)
+                      : IO::load(static_cast<const Bits*>(p.k) + t * p.k_row + (h - Hq) * p.k_head + c * kVec);
+      } else if (i < g.units) {  // read even when the token writes no pool row (rare)
+        const int h = (i - g.qk_units) >> g.group_shift;
+        x[k] = IO::load(static_cast<const Bits*>(p.v) + t * p.v_row + h * p.v_head + c * kVec);
+      }
+    }
+  };
 
   wait_for_previous_grid();
+  load_round(0);  // in flight while the table is built
   if constexpr (kFp8Pool || kFp8QOut) {
     if (tid < 3)
       divisors[tid] = fp8_divisor(p.pool.scale_ptr[tid] != nullptr ? __ldg(p.pool.scale_ptr[tid])
@@ -304,25 +326,8 @@ __global__ void __launch_bounds__(1024, 1)
     __syncthreads();
   }
 
-  const int per_head = 1 << g.group_shift, lane_group_mask = per_head - 1;
-  const int Hq = p.num_qo_heads;
   for (int round = 0; round < g.rounds; ++round) {
-    int unit[kFusionUnits];
-    Raw x[kFusionUnits] = {};
-#pragma unroll
-    for (int k = 0; k < kFusionUnits; ++k) {  // every load of the round first
-      const int i = (round * kFusionUnits + k) * int(blockDim.x) + tid;
-      unit[k] = i;
-      const int c = i & lane_group_mask;
-      if (i < g.qk_units) {
-        const int h = i >> g.group_shift;
-        x[k] = h < Hq ? IO::load(static_cast<const Bits*>(p.q) + t * p.q_row + h * p.q_head + c * kVec)
-                      : IO::load(static_cast<const Bits*>(p.k) + t * p.k_row + (h - Hq) * p.k_head + c * kVec);
-      } else if (i < g.units && to_pool) {
-        const int h = (i - g.qk_units) >> g.group_shift;
-        x[k] = IO::load(static_cast<const Bits*>(p.v) + t * p.v_row + h * p.v_head + c * kVec);
-      }
-    }
+    if (round > 0) load_round(round);
 #pragma unroll
     for (int k = 0; k < kFusionUnits; ++k) {
       const int i = unit[k], c = i & lane_group_mask, h = i >> g.group_shift;
