@@ -8,6 +8,10 @@
 #include "../backend.hpp"
 #include "../test_hooks.hpp"
 
+namespace ropepool::detail {
+struct MlaProblem;  // ../mla_backend.hpp
+}
+
 namespace ropepool::detail::cpu {
 
 /// Padding (in elements) of the inv_freq copy and of the sin/cos tables: a multiple of every
@@ -41,6 +45,11 @@ struct CallPlan {
   bool stream_stores = false;
 };
 
+/// One flag per token (rope_pool_cpu.cpp): 1 when a later token of the call names the same
+/// slot, so its pool write is skipped and, with several threads, the row is exactly the last
+/// token's. O(T); the flags live in thread-local storage until this thread's next call.
+const uint8_t* mark_superseded_pool_writes(const Index& slots, int64_t num_tokens);
+
 /// One unit of work: tokens [token_begin, token_end) x heads [head_begin, head_end) of the
 /// combined head list (q heads 0..Hq-1, then kv heads Hq..Hq+Hk-1; a kv head also copies its
 /// v row and writes both pool rows).
@@ -56,6 +65,23 @@ void sincos_table(const double* inv_freq, int64_t n, int64_t pos, float scale, f
 
 /// The Highway kernel (runtime dispatch to the best target this CPU supports).
 void run_block_hwy(const CallPlan& plan, const Block& block);
+
+/// What every token run of one mla_rope_pool_fused call shares (SPEC §8). Built once per call
+/// by mla_rope_pool_cpu (mla_kernel.cpp); the rows are rotated by mla_hwy-inl.h.
+struct MlaPlan {
+  const MlaProblem* problem = nullptr;
+  /// As CallPlan's: R/2 inverse frequencies, then zeros up to a multiple of kTablePad.
+  const double* inv_freq_padded = nullptr;
+  float kv_scale = 1.0f;  // fp8 caches: read when the call runs
+  /// nullptr, or 1 for a token whose cache row a later token of the call also writes (as
+  /// CallPlan::pool_write_superseded).
+  const uint8_t* superseded = nullptr;
+  /// Non-temporal stores for q_pe_rot and the cache rows (as CallPlan::stream_stores).
+  bool stream_stores = false;
+};
+
+/// Tokens [token_begin, token_end) of an MLA call (runtime dispatch, as run_block_hwy).
+void mla_run_tokens_hwy(const MlaPlan& plan, int64_t token_begin, int64_t token_end);
 
 /// The most threads a call uses: set_cpu_num_threads clamps to it (4 x hardware threads,
 /// at least 8).

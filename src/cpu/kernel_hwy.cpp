@@ -1035,6 +1035,9 @@ void PromoteRow(DType dtype, const void* in, float* out, int64_t n) {
 }  // namespace ropepool::detail::cpu
 HWY_AFTER_NAMESPACE();
 
+// mla_rope_pool_fused's rows, on the helpers above (per target, and its dispatch entry).
+#include "mla_hwy-inl.h"
+
 #if HWY_ONCE
 namespace ropepool::detail::cpu {
 

@@ -27,6 +27,8 @@ std::atomic<int64_t> g_parallel_min_bytes{kParallelMinBytes};
 constexpr int64_t kStreamMinBytes = 16 << 20;
 std::atomic<int64_t> g_stream_min_bytes{kStreamMinBytes};
 
+}  // namespace
+
 // With several threads, tokens that share a slot may be processed concurrently. Mark every
 // such token except the last one so exactly one complete row reaches the pool ("last token
 // wins", as in a sequential pass). One O(T) pass over an open-addressing table of
@@ -52,6 +54,8 @@ const uint8_t* mark_superseded_pool_writes(const Index& slots, int64_t num_token
   }
   return superseded.data();
 }
+
+namespace {
 
 struct ParallelWork {
   const CallPlan* plan;
