@@ -35,7 +35,8 @@ labelled as such; it is never the headline.
 
 Host time (the Python caller's view, no synchronisation): the wall time of many eager
 calls in a row divided by their number, for ropepool and, as a yardstick, one
-`torch.ops.aten.index_copy_` on the same pool.
+`torch.ops.aten.index_copy_` on the same pool; then its parts: the call into reused
+q_out/k_out, the two output allocations alone, the DLPack export of the nine tensors.
 
 Effective bandwidth counts T * D * elem * (2 * Hq + 5 * Hk) + 8 T index bytes: q, k, v
 read, q_rot, k_rot, k_pool and v_pool rows written. Before timing, ropepool's outputs are
@@ -871,6 +872,17 @@ def main(argv=None):
             row["ropepool_call_l2hot_us"] = statistics.median(
                 GpuTimer()(lambda: rp(*hot)) for _ in range(args.samples)) * 1e6
             row["ropepool_host_us"] = host_us_per_call(rp, hot)
+            # Where the host time goes: the call into reused q_out/k_out (no allocation),
+            # the two output allocations alone, and the DLPack export of the nine tensors
+            # the binding imports (torch._C._to_dlpack, what the fast path hands it).
+            outs = dict(q_out=torch.empty_like(hot[0]), k_out=torch.empty_like(hot[1]))
+            row["ropepool_out_host_us"] = host_us_per_call(
+                lambda: ropepool.rope_pool_fused(*hot, **w.shape, **outs), ())
+            row["alloc_host_us"] = host_us_per_call(
+                lambda: (torch.empty_like(hot[0]), torch.empty_like(hot[1])), ())
+            nine = (*hot, outs["q_out"], outs["k_out"])
+            row["dlpack_host_us"] = host_us_per_call(
+                lambda: [torch._C._to_dlpack(x) for x in nine], ())
             rows64 = hot[4].to(torch.int64)
             row["index_copy_host_us"] = host_us_per_call(
                 lambda: torch.ops.aten.index_copy_(w.v_pool, 0, rows64, hot[2]), ())
@@ -959,6 +971,10 @@ def print_table(r):
         print("host us per eager Python call, no sync (ropepool / aten.index_copy_ yardstick): " +
               ", ".join(f"T={x['T']} {x['ropepool_host_us']:.1f}/{x['index_copy_host_us']:.1f}"
                         for x in rows))
+        print("of which (us): the call into reused q_out/k_out, the two output allocations, "
+              "DLPack export of the nine tensors: " +
+              ", ".join(f"T={x['T']} {x['ropepool_out_host_us']:.1f}, {x['alloc_host_us']:.1f}, "
+                        f"{x['dlpack_host_us']:.1f}" for x in rows))
     for x in r["layouts"]:
         print(f"T={x['T']} b2b: contiguous q/k/v {x['contiguous_b2b_us']:.2f} us, views into a "
               f"fused QKV buffer {x['fused_qkv_b2b_us']:.2f} us")

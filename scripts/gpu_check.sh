@@ -10,6 +10,7 @@
 #                           # whole suite) and the decode example without a CUDA graph;
 #                           # pytest runs only the GPU cases (-m gpu)
 #   GPU_CHECK_PROFILE=1 ...                        # also Nsight Compute on the C++ benchmark
+#   GPU_CHECK_PROFILE_TOKENS="1 256" ...           # its token counts (default 1 64 4096 65536)
 #   GPU_CHECK_BENCHES="py mla" ...  # which benchmarks step 6 runs (default: cpp py mla), so
 #                                   # that the long ones can go in separate calls
 #   GPU_BENCH_ARGS="--tokens 1 --cache-tokens ''" ...  # extra arguments of bench/gpu_bench.py
@@ -242,12 +243,13 @@ else
 fi
 
 # --- 7 (GPU_CHECK_PROFILE=1): Nsight Compute on the default kernel ---------------------------------
-# One launch each at T = 1, 64, 4096 and 65536 of the C++ benchmark's cold workload (ncu flushes
-# the caches before each replay and fixes the clocks at base, so its durations read longer than
-# the benchmark's): speed of light, occupancy, launch statistics, warp states, memory workload.
+# One launch each at T = 1, 64, 4096 and 65536 (GPU_CHECK_PROFILE_TOKENS) of the C++
+# benchmark's cold workload (ncu flushes the caches before each replay and fixes the clocks at
+# base, so its durations read longer than the benchmark's): speed of light, occupancy, launch
+# statistics, warp states, memory workload.
 if [ "${GPU_CHECK_PROFILE:-0}" = 1 ] && [ -x "$CUDA_BENCH" ]; then
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  for T in 1 64 4096 65536; do
+  for T in ${GPU_CHECK_PROFILE_TOKENS:-1 64 4096 65536}; do
     run_step "ncu (T=$T)" "$LOGS/ncu.log" 200 \
       "$NCU" --kernel-name regex:rope_pool --launch-skip 300 --launch-count 1 \
         --section SpeedOfLight --section LaunchStats --section Occupancy \
@@ -265,7 +267,7 @@ for st in "${STATUS[@]}"; do case "$st" in PASS|SKIPPED) ;; *) FAILED=1 ;; esac;
   echo
   echo "ropepool gpu_check: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1), $((SECONDS - START)) s total, logs in $LOGS"
   [ -f "$LOGS/selftest.log" ] && sed -n '/^=== CUDA C++ bench/,$p' "$LOGS/selftest.log" |
-    grep -E '^(device-to-device|graph replay| +(T|[0-9]+) )'
+    grep -E '^(device-to-device|graph replay|host time| +(T|[0-9]+) )'
   [ -f "$LOGS/bench.log" ] && sed -n '/^ropepool GPU bench/,$p' "$LOGS/bench.log"
   echo
   printf '%-52s %-14s %6s  %s\n' "step" "status" "sec" "note"

@@ -2,7 +2,8 @@
 // Hq 32, Hk 8, D 128) at T = 1..65536 (or --tokens), with the inputs of bench/gpu_bench.py
 // (cold: input sets over 4x the L2; random slots in a 262144-row cache); GPU time per call
 // back-to-back on a plain stream (host enqueueing hidden behind a spin kernel) and under
-// CUDA-graph replay, with and without PDL and row deduplication; medians of 60; the
+// CUDA-graph replay, with and without PDL and row deduplication; medians of 60; the host
+// time of one public rope_pool_fused call at T = 1 (wall clock, no synchronisation); the
 // device-to-device copy as the ceiling.
 //
 //   ropepool_bench_cuda [--sweep] [--pools] [--tokens T1,T2,..] [--json FILE]
@@ -15,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -308,6 +310,38 @@ double copy_bandwidth(cudaStream_t s) {
   return 2.0 * double(bytes) / median(t);  // read + write
 }
 
+/// Host microseconds per call of the public C++ API at T = 1 (validation, launch; no
+/// synchronisation): the wall time of 400 calls in a row over one input set, on a stream the
+/// GPU keeps up with. The Python front end's host time (bench/gpu_bench.py) is measured the
+/// same way, so the two compare directly.
+double host_us_public_call(cudaStream_t s, Rng& rng) {
+  Workload w(1, false, rng);
+  const detail::RopePoolProblem p = w.problem(0, s);
+  const Device dev{DeviceType::CUDA, 0};
+  auto view = [&](const void* data, DType dtype, std::initializer_list<int64_t> shape) {
+    return TensorView::contiguous(const_cast<void*>(data), dtype, shape, dev);
+  };
+  const int64_t T = 1, Hq = w.Hq, Hk = w.Hk, D = w.D;
+  RopePoolTensors t;
+  t.q = view(p.q.data, w.dtype, {T, Hq, D}), t.k = view(p.k.data, w.dtype, {T, Hk, D});
+  t.v = view(p.v.data, w.dtype, {T, Hk, D});
+  t.positions = view(p.positions.data, DType::Int32, {T});
+  t.slots = view(p.slots.data, DType::Int32, {T});
+  t.k_pool = view(w.k_pool->ptr, w.dtype, {w.P, Hk, D}), t.v_pool = view(w.v_pool->ptr, w.dtype, {w.P, Hk, D});
+  t.q_out = view(p.q_out.data, w.dtype, {T, Hq, D}), t.k_out = view(p.k_out.data, w.dtype, {T, Hk, D});
+  RopePoolParams params = w.params;
+  CallOptions options;
+  options.stream = s;
+  for (int i = 0; i < 20; ++i) rope_pool_fused(t, params, options);
+  ROPEPOOL_CUDA_OK(cudaStreamSynchronize(s));
+  const int calls = 400;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < calls; ++i) rope_pool_fused(t, params, options);
+  const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  ROPEPOOL_CUDA_OK(cudaStreamSynchronize(s));
+  return us / calls;
+}
+
 void bench(bool sweep, const std::vector<int64_t>& tokens, Rng& rng) {
   cudaStream_t s;
   ROPEPOOL_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -372,6 +406,12 @@ void bench(bool sweep, const std::vector<int64_t>& tokens, Rng& rng) {
     std::fflush(stdout);
   }
   g_json += "]";
+  // After the table, so that profiling by launch count (scripts/gpu_check.sh) sees the table's
+  // launches first.
+  const double host_us = host_us_public_call(s, rng);
+  std::printf("host time of one public rope_pool_fused call at T = 1 (wall time of 400 calls in "
+              "a row, no synchronisation): %.2f us\n", host_us);
+  g_json += ", \"host_us_T1\": " + std::to_string(host_us);
   cudaStreamDestroy(s);
 }
 
