@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "cli_common.hpp"
+#include "test_hooks.hpp"
 
 namespace ropepool::cli {
 namespace {
@@ -32,6 +33,7 @@ struct BenchConfig {
   double seconds = 1.0;    // timing budget per token count
   int64_t copy_mib = 0;    // 0: max(256 MiB, 2 x L3)
   int64_t rotate_mib = 0;  // 0: max(256 MiB, 2 x L3)
+  int64_t stream_min_mib = 16;  // the CPU backend's non-temporal store threshold; -1: never
   int64_t min_pool_slots = 65536;
   int64_t max_position = int64_t(1) << 17;
   double skip_fraction = 0.05;  // share of tokens with slot -1 (no pool write)
@@ -490,6 +492,8 @@ options:
   --seconds S        timing budget per token count when --iters is not given (default 1)
   --copy-mib N       memcpy anchor buffer size in MiB (default 2 x L3, within 256..1024)
   --rotate-mib N     input bytes to rotate among for small T (default 2 x L3, within 256..1024)
+  --stream-min-mib N calls moving at least N MiB use non-temporal stores (default 16, the
+                     library's threshold; -1: never), to measure that choice on a machine
   --pool-dtype D     same (default: the pools in --dtype) or fp8 (float8_e4m3fn pools,
                      k_scale = v_scale = 1/64; k rows checked within one e4m3 step)
   --q-out-dtype D    same (default) or fp8 (float8_e4m3fn q_rot, q_scale = 1/64)
@@ -534,6 +538,8 @@ int run_bench(Args& args) {
       cfg.copy_mib = parse_int(o, args.value(o), 1);
     } else if (o == "--rotate-mib") {
       cfg.rotate_mib = parse_int(o, args.value(o), 1);
+    } else if (o == "--stream-min-mib") {
+      cfg.stream_min_mib = parse_int(o, args.value(o), -1);
     } else if (o == "--num-qo-heads") {
       cfg.params.num_qo_heads = parse_int(o, args.value(o), 1);
     } else if (o == "--num-kv-heads") {
@@ -582,6 +588,7 @@ int run_bench(Args& args) {
     cfg.params.k_scale.value = cfg.params.v_scale.value = BenchConfig::kScale;
   if (cfg.q_out_dtype == DType::Float8E4M3FN) cfg.params.q_scale.value = BenchConfig::kScale;
   set_cpu_num_threads(cfg.threads);
+  detail::cpu::set_stream_min_bytes(cfg.stream_min_mib < 0 ? -1 : cfg.stream_min_mib << 20);
 
   const size_t l3 = l3_cache_bytes();
   // "Much larger than L3": twice the reported L3, at least 256 MiB, at most 1 GiB (two such
@@ -612,6 +619,11 @@ int run_bench(Args& args) {
               cfg.pool_dtype == DType::Float8E4M3FN || cfg.q_out_dtype == DType::Float8E4M3FN
                   ? "; fp8 scales 1/64"
                   : "");
+  if (cfg.stream_min_mib < 0)
+    std::printf("stores: cached only (--stream-min-mib -1)\n");
+  else
+    std::printf("stores: non-temporal from %lld MiB of traffic per call\n",
+                (long long)cfg.stream_min_mib);
   if (cfg.qk_norm) std::printf("fusion: QK norm (rms, weights in %s)\n", dtype_name(cfg.dtype));
   if (cfg.mrope) {
     const std::vector<int64_t> sec = mrope_section_for(p.head_dim);
