@@ -601,8 +601,9 @@ int run_bench(Args& args) {
 
   std::printf("ropepool %s bench, %s\n", kVersion, date.c_str());
   const double load_at_start = load_average();
-  std::printf("CPU: %s, %u hardware threads, L3 %zu MiB; ropepool threads: %d\n",
-              cpu_model().c_str(), std::thread::hardware_concurrency(), l3 >> 20, cfg.threads);
+  std::printf("CPU: %s, %u hardware threads, L3 %zu MiB; ropepool threads: %d; SIMD target %s\n",
+              cpu_model().c_str(), std::thread::hardware_concurrency(), l3 >> 20, cfg.threads,
+              detail::cpu::hwy_target_name());
   if (load_at_start > 0.5)
     std::fprintf(stderr,
                  "%s note: load average %.2f before starting; other processes compete for the "
