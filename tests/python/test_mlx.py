@@ -24,20 +24,26 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 BITS = {torch.float32: (torch.int32, mx.int32), torch.float16: (torch.int16, mx.int16),
         torch.bfloat16: (torch.int16, mx.int16), torch.int32: (torch.int32, mx.int32),
-        torch.int64: (torch.int64, mx.int64)}
+        torch.int64: (torch.int64, mx.int64), torch.float8_e4m3fn: (torch.uint8, mx.uint8)}
 
 
 def to_mx(t: torch.Tensor) -> "mx.array":
-    """The same bits as an mx.array (through integer views: NumPy has no bfloat16)."""
+    """The same bits as an mx.array (through integer views: NumPy has no bfloat16; MLX keeps
+    float8 e4m3 in uint8 arrays, as mx.to_fp8 makes them)."""
     it, imx = BITS[t.dtype]
     a = mx.array(t.contiguous().view(it).numpy())
-    return a if t.dtype in (torch.int32, torch.int64) else a.view(
+    return a if t.dtype in (torch.int32, torch.int64, torch.float8_e4m3fn) else a.view(
         {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16}[t.dtype])
+
+
+def from_mx(a: "mx.array", dtype: torch.dtype) -> torch.Tensor:
+    """The bits of an mx.array as a torch tensor of `dtype` (evaluates it)."""
+    return torch.from_numpy(bits(a)).view(dtype)
 
 
 def bits(a: "mx.array") -> np.ndarray:
     """The raw bits of an mx.array (evaluates it)."""
-    return np.array(a.view({2: mx.int16, 4: mx.int32, 8: mx.int64}[a.itemsize]))
+    return np.array(a.view({1: mx.uint8, 2: mx.int16, 4: mx.int32, 8: mx.int64}[a.itemsize]))
 
 
 def torch_bits(t: torch.Tensor) -> np.ndarray:
