@@ -44,7 +44,8 @@ except ImportError as e:
     ) from e
 
 from ropepool._mla import _options as _mla_options
-from ropepool._op import _fused_scalars, _fusion_args, _fusion_kwargs
+from ropepool._op import (_cache_args, _cache_kwargs, _fused_scalars, _fusion_args,
+                          _fusion_kwargs)
 from ropepool._schedule import RopeSchedule
 
 
@@ -91,6 +92,11 @@ def rope_pool_fused(
     schedule: Optional[RopeSchedule] = None,
     inplace: bool = False,
     check_slots: bool = False,
+    kv_layout: Optional[str] = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
+    q_scale: Any = None,
+    q_out_dtype: Any = None,
     q_norm_weight: Optional["mx.array"] = None,
     k_norm_weight: Optional["mx.array"] = None,
     norm_eps: Optional[float] = None,
@@ -101,12 +107,15 @@ def rope_pool_fused(
 ) -> Tuple["mx.array", "mx.array", "mx.array", "mx.array"]:
     """RoPE on q and k and the KV-cache pool write, as an MLX primitive (SPEC §1, §9).
 
-    Arguments and keywords are those of :func:`ropepool.rope_pool_fused` (SPEC §4, §7), all
-    ``mx.array``s; ``inv_freq``, if given, is a float32 ``mx.array`` or NumPy array (read
-    when the call is made); ``q_norm_weight``/``k_norm_weight`` are ``mx.array``s (inputs of
-    the graph node), and with ``mrope_section`` positions are ``[3, T]``. Returns ``(q_rot,
-    k_rot, k_pool, v_pool)``, four new lazy arrays; ``k_pool``/``v_pool`` are the updated
-    pools (donated buffers when nothing else references the ones passed in, copies
+    Arguments and keywords are those of :func:`ropepool.rope_pool_fused` (SPEC §4, §6, §7)
+    except ``q_out``/``k_out``, all ``mx.array``s; ``inv_freq``, if given, is a float32
+    ``mx.array`` or NumPy array (read when the call is made); ``q_norm_weight``/
+    ``k_norm_weight`` and array scales (one-element float32) are ``mx.array``s (inputs of
+    the graph node, read when it runs); with ``mrope_section`` positions are ``[3, T]``.
+    MLX has no float8 dtype: fp8 pools are ``uint8`` arrays of e4m3 bits (as ``mx.to_fp8``
+    makes them), and ``q_out_dtype="float8_e4m3fn"`` returns q_rot as one. Returns
+    ``(q_rot, k_rot, k_pool, v_pool)``, four new lazy arrays; ``k_pool``/``v_pool`` are the
+    updated pools (donated buffers when nothing else references the ones passed in, copies
     otherwise).
 
     ``inplace=True`` lets q_rot/k_rot take over q's and k's buffers too, when nothing else
@@ -128,13 +137,14 @@ def rope_pool_fused(
                        mrope_section, mrope_interleaved)
     fusion = _fusion_args(q_norm_weight, k_norm_weight, norm_eps, norm_style, sched_section,
                           sched_interleaved)
+    cache = _cache_args(kv_layout, k_scale, v_scale, q_scale, q_out_dtype, bool(inplace))
     return _ext.rope_pool_fused(
         q, k, v, positions, slots, k_pool, v_pool,
         head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         rope_base=rope_base, rotary_dim=rotary_dim, interleaved=bool(interleaved),
         schedule_inv_freq=sched_freqs, schedule_attention_scaling=sched_scale,
-        inplace=bool(inplace), check_slots=bool(check_slots), stream=stream,
-        **_fusion_kwargs(fusion))
+        inplace=bool(inplace), check_slots=bool(check_slots), q_fp8=cache[-1], stream=stream,
+        **_cache_kwargs(cache), **_fusion_kwargs(fusion))
 
 
 def mla_rope_pool_fused(

@@ -277,16 +277,25 @@ class CachePrimitive : public mx::Primitive {
   const char* op_;
 };
 
-// rope_pool_fused. Inputs (q, k, v, positions, slots, k_pool, v_pool, then the norm weights
-// that are given), outputs (q_rot, k_rot, k_pool, v_pool).
+// Where rope_pool_fused's optional array arguments sit among the primitive's inputs (-1:
+// not given): SPEC §7's norm weights, SPEC §6's scales (k_scale, v_scale, q_scale).
+struct ExtraInputs {
+  int q_norm = -1, k_norm = -1;
+  int scales[3] = {-1, -1, -1};
+  bool operator==(const ExtraInputs&) const = default;
+};
+
+// rope_pool_fused. Inputs (q, k, v, positions, slots, k_pool, v_pool, then the extra inputs
+// that are given), outputs (q_rot, k_rot, k_pool, v_pool). uint8 pools and a uint8 q_rot
+// hold float8 e4m3 bits (SPEC §6).
 class RopePoolFused : public CachePrimitive {
  public:
   RopePoolFused(mx::Stream stream, RopePoolParams params,
                 std::shared_ptr<const RopeSchedule> schedule, bool check_slots, bool inplace,
-                int q_norm_input, int k_norm_input)
+                bool q_fp8, ExtraInputs extra)
       : CachePrimitive(stream, "rope_pool_fused"), params_(params),
         schedule_(std::move(schedule)), check_slots_(check_slots), inplace_(inplace),
-        q_norm_input_(q_norm_input), k_norm_input_(k_norm_input) {
+        q_fp8_(q_fp8), extra_(extra) {
     params_.schedule = schedule_.get();
   }
 
@@ -297,7 +306,7 @@ class RopePoolFused : public CachePrimitive {
     // evaluation).
     dispatch(inputs, outputs, {q, k, 5, 6},
              [params = params_, schedule = schedule_, check_slots = check_slots_,
-              q_norm = q_norm_input_, k_norm = k_norm_input_](const Task& task) {
+              extra = extra_](const Task& task) {
                TaskViews v{task, {}};
                RopePoolTensors t;
                t.q = v.input(0);
@@ -305,13 +314,16 @@ class RopePoolFused : public CachePrimitive {
                t.v = v.input(2);
                t.positions = v.index(3);
                t.slots = v.index(4);
-               t.q_out = v.output(0);
+               t.q_out = e4m3_bits(v.output(0));
                t.k_out = v.output(1);
-               t.k_pool = v.output(2, 5);
-               t.v_pool = v.output(3, 6);
+               t.k_pool = e4m3_bits(v.output(2, 5));
+               t.v_pool = e4m3_bits(v.output(3, 6));
                RopePoolParams p = params;
-               if (q_norm >= 0) p.q_norm_weight = v.input(size_t(q_norm));
-               if (k_norm >= 0) p.k_norm_weight = v.input(size_t(k_norm));
+               if (extra.q_norm >= 0) p.q_norm_weight = v.input(size_t(extra.q_norm));
+               if (extra.k_norm >= 0) p.k_norm_weight = v.input(size_t(extra.k_norm));
+               QuantScale* scales[3] = {&p.k_scale, &p.v_scale, &p.q_scale};
+               for (int i = 0; i < 3; ++i)
+                 if (extra.scales[i] >= 0) scales[i]->tensor = v.input(size_t(extra.scales[i]));
                CallOptions options;
                options.check_slots = check_slots;
                options.format_shape = [](Arg, const TensorView& x) { return tuple_shape(x); };
@@ -330,8 +342,12 @@ class RopePoolFused : public CachePrimitive {
            params_.rotary_dim == o.params_.rotary_dim &&
            params_.interleaved == o.params_.interleaved && check_slots_ == o.check_slots_ &&
            inplace_ == o.inplace_ && same_schedule(schedule_.get(), o.schedule_.get()) &&
-           q_norm_input_ == o.q_norm_input_ && k_norm_input_ == o.k_norm_input_ &&
-           params_.norm_eps == o.params_.norm_eps && params_.norm_style == o.params_.norm_style;
+           extra_ == o.extra_ && params_.norm_eps == o.params_.norm_eps &&
+           params_.norm_style == o.params_.norm_style && q_fp8_ == o.q_fp8_ &&
+           params_.kv_layout == o.params_.kv_layout &&
+           params_.k_scale.value == o.params_.k_scale.value &&
+           params_.v_scale.value == o.params_.v_scale.value &&
+           params_.q_scale.value == o.params_.q_scale.value;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -343,7 +359,8 @@ class RopePoolFused : public CachePrimitive {
   std::shared_ptr<const RopeSchedule> schedule_;
   bool check_slots_;
   bool inplace_;
-  int q_norm_input_, k_norm_input_;  // inputs holding the norm weights (-1: none)
+  bool q_fp8_;
+  ExtraInputs extra_;
 };
 
 // mla_rope_pool_fused. Inputs (q_pe, k_pe, kv_c, positions, slots, kv_cache, then kv_scale
@@ -458,22 +475,29 @@ nb::tuple rope_pool_fused_mlx(nb::handle q, nb::handle k, nb::handle v, nb::hand
                               nb::handle k_norm_weight, std::optional<double> norm_eps,
                               std::optional<std::string> norm_style,
                               std::optional<std::vector<int64_t>> mrope_section,
-                              bool mrope_interleaved, StreamArg stream) {
+                              bool mrope_interleaved, std::optional<std::string> kv_layout,
+                              std::optional<double> k_scale, nb::handle k_scale_tensor,
+                              std::optional<double> v_scale, nb::handle v_scale_tensor,
+                              std::optional<double> q_scale, nb::handle q_scale_tensor,
+                              bool q_fp8, StreamArg stream) {
   constexpr const char* kOp = "rope_pool_fused";
   const nb::handle objects[7] = {q, k, v, positions, slots, k_pool, v_pool};
   std::vector<mx::array> inputs;
-  inputs.reserve(9);
+  inputs.reserve(12);
   for (int i = 0; i < 7; ++i) inputs.push_back(as_array(objects[i], kOp, kArgNames[i]));
-  // SPEC §7's norm weights are inputs like q (read when the graph runs).
-  int q_norm_input = -1, k_norm_input = -1;
-  if (!q_norm_weight.is_none()) {
-    q_norm_input = int(inputs.size());
-    inputs.push_back(as_array(q_norm_weight, kOp, "q_norm_weight"));
-  }
-  if (!k_norm_weight.is_none()) {
-    k_norm_input = int(inputs.size());
-    inputs.push_back(as_array(k_norm_weight, kOp, "k_norm_weight"));
-  }
+  // SPEC §7's norm weights and SPEC §6's scale arrays are inputs like q (read when the
+  // graph runs).
+  auto optional_input = [&](nb::handle obj, const char* name) {
+    if (obj.is_none()) return -1;
+    inputs.push_back(as_array(obj, kOp, name));
+    return int(inputs.size()) - 1;
+  };
+  ExtraInputs extra;
+  extra.q_norm = optional_input(q_norm_weight, "q_norm_weight");
+  extra.k_norm = optional_input(k_norm_weight, "k_norm_weight");
+  extra.scales[0] = optional_input(k_scale_tensor, "k_scale");
+  extra.scales[1] = optional_input(v_scale_tensor, "v_scale");
+  extra.scales[2] = optional_input(q_scale_tensor, "q_scale");
 
   RopePoolParams params;
   params.head_dim = head_dim;
@@ -484,6 +508,11 @@ nb::tuple rope_pool_fused_mlx(nb::handle q, nb::handle k, nb::handle v, nb::hand
   params.interleaved = interleaved;
   params.norm_eps = norm_eps;
   params.norm_style = std::move(norm_style);
+  if (kv_layout) params.kv_layout = parse_kv_layout(*kv_layout);
+  QuantScale* scales[3] = {&params.k_scale, &params.v_scale, &params.q_scale};
+  scales[0]->value = k_scale;
+  scales[1]->value = v_scale;
+  scales[2]->value = q_scale;
   std::shared_ptr<RopeSchedule> schedule =
       given_schedule(std::move(schedule_inv_freq), schedule_attention_scaling);
   if (schedule) {
@@ -502,29 +531,37 @@ nb::tuple rope_pool_fused_mlx(nb::handle q, nb::handle k, nb::handle v, nb::hand
   views.v = shape_view(inputs[2]);
   views.positions = shape_view(inputs[3]);
   views.slots = shape_view(inputs[4]);
-  views.k_pool = shape_view(inputs[5]);
-  views.v_pool = shape_view(inputs[6]);
+  views.k_pool = e4m3_bits(shape_view(inputs[5]));
+  views.v_pool = e4m3_bits(shape_view(inputs[6]));
   views.q_out = views.q;
+  if (q_fp8) views.q_out.dtype = DType::Float8E4M3FN;
   views.k_out = views.k;
-  // Validation tells a given norm weight by its data pointer: memory that is never read.
+  // Validation tells a given norm weight by its data pointer (memory that is never read
+  // stands in) and reads a scale array's value on the CPU (1 stands in).
   const int64_t unread[1] = {};
-  if (q_norm_input >= 0) params.q_norm_weight = stand_in(inputs[size_t(q_norm_input)], unread);
-  if (k_norm_input >= 0) params.k_norm_weight = stand_in(inputs[size_t(k_norm_input)], unread);
+  const float one = 1.0f;
+  if (extra.q_norm >= 0) params.q_norm_weight = stand_in(inputs[size_t(extra.q_norm)], unread);
+  if (extra.k_norm >= 0) params.k_norm_weight = stand_in(inputs[size_t(extra.k_norm)], unread);
+  for (int i = 0; i < 3; ++i)
+    if (extra.scales[i] >= 0) scales[i]->tensor = stand_in(inputs[size_t(extra.scales[i])], &one);
   CallOptions options;
   options.data_readable = false;
   options.check_slots = check_slots;
   options.format_shape = [](Arg, const TensorView& view) { return tuple_shape(view); };
   validate_rope_pool(views, params, options);
-  params.q_norm_weight = params.k_norm_weight = TensorView{};  // the evaluation's views
+  // the evaluation's views replace the stand-ins
+  params.q_norm_weight = params.k_norm_weight = TensorView{};
+  for (QuantScale* scale : scales) scale->tensor = TensorView{};
 
   const mx::Stream s = cpu_stream(stream, kOp);
   if (!schedule) schedule = std::make_shared<RopeSchedule>(make_rope_schedule(params));
 
   auto outputs = mx::array::make_arrays(
       {inputs[0].shape(), inputs[1].shape(), inputs[5].shape(), inputs[6].shape()},
-      {inputs[0].dtype(), inputs[1].dtype(), inputs[5].dtype(), inputs[6].dtype()},
+      {q_fp8 ? mx::uint8 : inputs[0].dtype(), inputs[1].dtype(), inputs[5].dtype(),
+       inputs[6].dtype()},
       std::make_shared<RopePoolFused>(s, params, std::move(schedule), check_slots, inplace,
-                                      q_norm_input, k_norm_input),
+                                      q_fp8, extra),
       inputs);
   return nb::make_tuple(outputs[0], outputs[1], outputs[2], outputs[3]);
 }
@@ -636,7 +673,10 @@ NB_MODULE(_ropepool_mlx, m) {
         "schedule_inv_freq"_a = nb::none(), "schedule_attention_scaling"_a = 1.0,
         "inplace"_a = false, "check_slots"_a = false, "q_norm_weight"_a = nb::none(),
         "k_norm_weight"_a = nb::none(), "norm_eps"_a = nb::none(), "norm_style"_a = nb::none(),
-        "mrope_section"_a = nb::none(), "mrope_interleaved"_a = false, "stream"_a = nb::none(),
+        "mrope_section"_a = nb::none(), "mrope_interleaved"_a = false,
+        "kv_layout"_a = nb::none(), "k_scale"_a = nb::none(), "k_scale_tensor"_a = nb::none(),
+        "v_scale"_a = nb::none(), "v_scale_tensor"_a = nb::none(), "q_scale"_a = nb::none(),
+        "q_scale_tensor"_a = nb::none(), "q_fp8"_a = false, "stream"_a = nb::none(),
         "Low-level: the MLX primitive with the keywords normalised by ropepool.mlx "
         "(use ropepool.mlx.rope_pool_fused). Returns (q_rot, k_rot, k_pool, v_pool), lazy.");
 
