@@ -44,8 +44,8 @@ except ImportError as e:
     ) from e
 
 from ropepool._mla import _options as _mla_options
-from ropepool._op import (_cache_args, _cache_kwargs, _fused_scalars, _fusion_args,
-                          _fusion_kwargs)
+from ropepool._op import (_NO_CACHE, _cache_args, _cache_kwargs, _fused_scalars,
+                          _fusion_args, _fusion_kwargs)
 from ropepool._schedule import RopeSchedule
 
 
@@ -133,18 +133,21 @@ def rope_pool_fused(
      sched_section, sched_interleaved) = \
         _fused_scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim,
                        rope_scaling, max_position_embeddings, original_max_position_embeddings,
-                       seq_len, _host_table(inv_freq), attention_scaling, schedule,
-                       mrope_section, mrope_interleaved)
+                       seq_len, inv_freq if inv_freq is None else _host_table(inv_freq),
+                       attention_scaling, schedule, mrope_section, mrope_interleaved)
     fusion = _fusion_args(q_norm_weight, k_norm_weight, norm_eps, norm_style, sched_section,
                           sched_interleaved)
     cache = _cache_args(kv_layout, k_scale, v_scale, q_scale, q_out_dtype, bool(inplace))
+    # (SPEC §6's and §7's keywords only where given: each costs the binding's parsing)
+    extra = _fusion_kwargs(fusion)
+    if cache is not _NO_CACHE:
+        extra.update(_cache_kwargs(cache), q_fp8=cache[-1])
     return _ext.rope_pool_fused(
         q, k, v, positions, slots, k_pool, v_pool,
         head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         rope_base=rope_base, rotary_dim=rotary_dim, interleaved=bool(interleaved),
         schedule_inv_freq=sched_freqs, schedule_attention_scaling=sched_scale,
-        inplace=bool(inplace), check_slots=bool(check_slots), q_fp8=cache[-1], stream=stream,
-        **_cache_kwargs(cache), **_fusion_kwargs(fusion))
+        inplace=bool(inplace), check_slots=bool(check_slots), stream=stream, **extra)
 
 
 def mla_rope_pool_fused(
