@@ -5,6 +5,8 @@ torch CPU path on fresh random inputs, gradient and slot errors, and the DLPack 
 refusal of MLX arrays.
 """
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -79,9 +81,20 @@ def torch_result(args, **kw):
     return ropepool.rope_pool_fused(q, k, v, pos, slots, kp, vp, **kw)
 
 
-def assert_same_bits(got, want):
-    for name, g, w in zip(("q_rot", "k_rot", "k_pool", "v_pool"), got, want):
+def assert_same_bits(got, want, names=("q_rot", "k_rot", "k_pool", "v_pool")):
+    """Every element of each MLX result has the bits of the torch front end's."""
+    assert len(got) == len(want) == len(names)
+    for name, g, w in zip(names, got, want):
+        assert g.shape == tuple(w.shape), name
         np.testing.assert_array_equal(bits(g), torch_bits(w), err_msg=name)
+
+
+def mlx_message(torch_message: str) -> str:
+    """The torch front end's message with shapes as MLX prints them ("(2, 8, 128)")."""
+    def as_tuple(m):
+        dims = [d.strip() for d in m.group(1).split(",") if d.strip()]
+        return "(" + ", ".join(dims) + (",)" if len(dims) == 1 else ")")
+    return re.sub(r"torch\.Size\(\[([^\]]*)\]\)", as_tuple, torch_message)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

@@ -19,7 +19,8 @@ mx = pytest.importorskip("mlx.core", reason="mlx is not installed")
 import ropepool  # noqa: E402
 
 # (skips this module where ropepool.mlx is unavailable, as test_mlx does)
-from test_mlx import bits, from_mx, to_mx, torch_bits  # noqa: E402
+from rope_testing import raw_bits  # noqa: E402
+from test_mlx import assert_same_bits, bits, from_mx, mlx_message, to_mx  # noqa: E402
 
 import ropepool.mlx as rmlx  # noqa: E402
 from test_caches import (FP8, e4m3_ordinal, make_inputs, pool_rows, rope_exact,  # noqa: E402
@@ -68,8 +69,7 @@ def test_equals_torch_path_and_the_e4m3_rule(rng, dtype, layout, page_size, fp8_
                                **kw, **m_kw, q_out_dtype="float8_e4m3fn" if q_fp8 else None)
     assert got[0].dtype == (mx.uint8 if q_fp8 else to_mx(q).dtype)
     assert got[2].dtype == (mx.uint8 if fp8_pool else to_mx(q).dtype)
-    for name, g, w in zip(("q_rot", "k_rot", "k_pool", "v_pool"), got, want):
-        np.testing.assert_array_equal(bits(g), torch_bits(w), err_msg=name)
+    assert_same_bits(got, want)
 
     # spot check: SPEC §6's rule against the float64 rotation, on the MLX results
     written = slots >= 0
@@ -84,16 +84,12 @@ def test_equals_torch_path_and_the_e4m3_rule(rng, dtype, layout, page_size, fp8_
         want_v = spec_e4m3(v[written].float() / torch.tensor(0.5, dtype=torch.float32))
         assert torch.equal(v_rows.view(torch.uint8), want_v.view(torch.uint8)), "v_pool rows"
     else:
-        assert torch.equal(torch_bits_t(k_rows), torch_bits_t(k_rot[written])), "k_pool rows"
-        assert torch.equal(torch_bits_t(v_rows), torch_bits_t(v[written])), "v_pool rows"
+        np.testing.assert_array_equal(raw_bits(k_rows), raw_bits(k_rot[written]), "k_pool rows")
+        np.testing.assert_array_equal(raw_bits(v_rows), raw_bits(v[written]), "v_pool rows")
     if q_fp8:
         q_exact = rope_exact(q, positions, 10000.0)
         d = e4m3_ordinal(from_mx(got[0], FP8)) - e4m3_ordinal(spec_e4m3((q_exact / 0.03).float()))
         assert d.abs().max() <= 1, "q_rot: more than one e4m3 step from the exact value"
-
-
-def torch_bits_t(x):
-    return x.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()])
 
 
 @pytest.mark.parametrize("change", [
@@ -118,9 +114,8 @@ def test_messages_at_call_time_are_the_torch_paths(change):
         ropepool.rope_pool_fused(*args, **t_kw)
     with pytest.raises(type(want.value)) as got:
         rmlx.rope_pool_fused(*(to_mx(a) for a in args), **m_kw)
-    expected = str(want.value).replace("torch.Size([2])", "(2,)").replace(
-        "torch.Size([8, 1, 16])", "(8, 1, 16)").replace("torch.float16", "'float16'")
-    assert str(got.value) == expected
+    # (q_out_dtype: MLX passes the name, which the message repeats)
+    assert str(got.value) == mlx_message(str(want.value)).replace("torch.float16", "'float16'")
 
 
 def test_scale_array_value_is_checked_at_eval_and_nothing_written(rng):

@@ -15,7 +15,7 @@ mx = pytest.importorskip("mlx.core", reason="mlx is not installed")
 import ropepool  # noqa: E402
 
 # (skips this module where ropepool.mlx is unavailable, as test_mlx does)
-from test_mlx import address, bits, from_mx, to_mx, torch_bits  # noqa: E402
+from test_mlx import address, assert_same_bits, bits, from_mx, to_mx  # noqa: E402
 
 import ropepool.mlx as rmlx  # noqa: E402
 from rope_testing import TORCH_DTYPES, to_f64  # noqa: E402
@@ -43,11 +43,6 @@ def both(a, positions, kw, mx_kw=None):
                                to_mx(a["slots"]), to_mx(a["k_pool"]), to_mx(a["v_pool"]),
                                **m_kw)
     return got, want
-
-
-def assert_same_bits(got, want):
-    for name, g, w in zip(("q_rot", "k_rot", "k_pool", "v_pool"), got, want):
-        np.testing.assert_array_equal(bits(g), torch_bits(w), err_msg=name)
 
 
 VARIANTS = {

@@ -8,8 +8,6 @@ rotation (test_mla's oracle); donation against copies; the op's messages at call
 slot raising at mx.eval and writing nothing; mx.compile.
 """
 
-import re
-
 import numpy as np
 import pytest
 import torch
@@ -19,7 +17,8 @@ mx = pytest.importorskip("mlx.core", reason="mlx is not installed")
 import ropepool  # noqa: E402
 
 # (skips this module where ropepool.mlx is unavailable, as test_mlx does)
-from test_mlx import address, bits, from_mx, to_mx, torch_bits  # noqa: E402
+from test_mlx import (address, assert_same_bits, bits, from_mx, mlx_message,  # noqa: E402
+                      to_mx, torch_bits)
 
 import ropepool.mlx as rmlx  # noqa: E402
 from test_mla import (CONFIGS, Call, assert_close, deinterleave, hf_rotation,  # noqa: E402
@@ -51,10 +50,7 @@ def torch_result(call, **kw):
                                         call.positions, call.slots, call.kv_cache.clone(), **kw)
 
 
-def assert_same_bits(got, want):
-    for name, g, w in zip(("q_pe_rot", "k_pe_rot", "kv_cache"), got, want):
-        assert g.shape == tuple(w.shape), name
-        np.testing.assert_array_equal(bits(g), torch_bits(w), err_msg=name)
+MLA_NAMES = ("q_pe_rot", "k_pe_rot", "kv_cache")
 
 
 VARIANTS = {
@@ -87,7 +83,7 @@ def test_equals_torch_path(rng, dtype, variant):
     got = rmlx.mla_rope_pool_fused(*mx_args(call), **m_kw)
     assert all(isinstance(g, mx.array) for g in got)
     assert got[2].dtype == (mx.uint8 if call_kw.get("cache_dtype") else got[0].dtype)
-    assert_same_bits(got, want)
+    assert_same_bits(got, want, MLA_NAMES)
     # the cache holds something new (the comparison above is not of two unchanged copies)
     assert not np.array_equal(bits(got[2]), torch_bits(call.kv_cache))
 
@@ -125,7 +121,7 @@ def test_donation_and_old_values(rng):
     mx.eval(*out)
     assert address(out[2]) != at
     np.testing.assert_array_equal(bits(cache), old)
-    assert_same_bits(out, want)
+    assert_same_bits(out, want, MLA_NAMES)
 
     _, _, cache2 = rmlx.mla_rope_pool_fused(q_pe, k_pe, kv_c, pos, slots, cache, **YARN)
     del cache  # rebound: no other reference at evaluation time
@@ -144,14 +140,6 @@ def test_donation_and_old_values(rng):
     assert (address(q_rot), address(k_rot)) == (q_at, k_at)
     np.testing.assert_array_equal(bits(q_rot), torch_bits(want[0]))
     np.testing.assert_array_equal(bits(k_rot), torch_bits(want[1]))
-
-
-def mlx_message(torch_message):
-    """The torch front end's message with shapes as MLX prints them."""
-    def tup(m):
-        dims = [d.strip() for d in m.group(1).split(",") if d.strip()]
-        return "(" + ", ".join(dims) + (",)" if len(dims) == 1 else ")")
-    return re.sub(r"torch\.Size\(\[([^\]]*)\]\)", tup, torch_message)
 
 
 def _bad(call, field, value):
