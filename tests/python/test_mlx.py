@@ -5,6 +5,8 @@ torch CPU path on fresh random inputs, gradient and slot errors, and the DLPack 
 refusal of MLX arrays.
 """
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -24,20 +26,26 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 BITS = {torch.float32: (torch.int32, mx.int32), torch.float16: (torch.int16, mx.int16),
         torch.bfloat16: (torch.int16, mx.int16), torch.int32: (torch.int32, mx.int32),
-        torch.int64: (torch.int64, mx.int64)}
+        torch.int64: (torch.int64, mx.int64), torch.float8_e4m3fn: (torch.uint8, mx.uint8)}
 
 
 def to_mx(t: torch.Tensor) -> "mx.array":
-    """The same bits as an mx.array (through integer views: NumPy has no bfloat16)."""
+    """The same bits as an mx.array (through integer views: NumPy has no bfloat16; MLX keeps
+    float8 e4m3 in uint8 arrays, as mx.to_fp8 makes them)."""
     it, imx = BITS[t.dtype]
     a = mx.array(t.contiguous().view(it).numpy())
-    return a if t.dtype in (torch.int32, torch.int64) else a.view(
+    return a if t.dtype in (torch.int32, torch.int64, torch.float8_e4m3fn) else a.view(
         {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16}[t.dtype])
+
+
+def from_mx(a: "mx.array", dtype: torch.dtype) -> torch.Tensor:
+    """The bits of an mx.array as a torch tensor of `dtype` (evaluates it)."""
+    return torch.from_numpy(bits(a)).view(dtype)
 
 
 def bits(a: "mx.array") -> np.ndarray:
     """The raw bits of an mx.array (evaluates it)."""
-    return np.array(a.view({2: mx.int16, 4: mx.int32, 8: mx.int64}[a.itemsize]))
+    return np.array(a.view({1: mx.uint8, 2: mx.int16, 4: mx.int32, 8: mx.int64}[a.itemsize]))
 
 
 def torch_bits(t: torch.Tensor) -> np.ndarray:
@@ -73,9 +81,20 @@ def torch_result(args, **kw):
     return ropepool.rope_pool_fused(q, k, v, pos, slots, kp, vp, **kw)
 
 
-def assert_same_bits(got, want):
-    for name, g, w in zip(("q_rot", "k_rot", "k_pool", "v_pool"), got, want):
+def assert_same_bits(got, want, names=("q_rot", "k_rot", "k_pool", "v_pool")):
+    """Every element of each MLX result has the bits of the torch front end's."""
+    assert len(got) == len(want) == len(names)
+    for name, g, w in zip(names, got, want):
+        assert g.shape == tuple(w.shape), name
         np.testing.assert_array_equal(bits(g), torch_bits(w), err_msg=name)
+
+
+def mlx_message(torch_message: str) -> str:
+    """The torch front end's message with shapes as MLX prints them ("(2, 8, 128)")."""
+    def as_tuple(m):
+        dims = [d.strip() for d in m.group(1).split(",") if d.strip()]
+        return "(" + ", ".join(dims) + (",)" if len(dims) == 1 else ")")
+    return re.sub(r"torch\.Size\(\[([^\]]*)\]\)", as_tuple, torch_message)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
