@@ -73,7 +73,8 @@ def x64():
 
 
 # torch dtypes that NumPy has only through ml_dtypes (JAX's): moved as raw bits.
-_RAW = {torch.bfloat16: (torch.int16, jnp.bfloat16), torch.float8_e4m3fn: (torch.uint8, jnp.float8_e4m3fn)}
+_RAW = {torch.bfloat16: (torch.int16, jnp.bfloat16),
+        torch.float8_e4m3fn: (torch.uint8, jnp.float8_e4m3fn)}
 
 
 def to_jax(t, platform):
@@ -190,12 +191,19 @@ def test_cache_keywords_equal_torch_path(platform, rng, form):
 
 
 def test_cache_keywords_at_trace_time():
-    with pytest.raises(ValueError, match=r"^rope_pool_fused: kv_layout"):
-        traced(kv_layout="XYZ")
+    for layout in ("XYZ", ""):  # ("" is an unset string attribute: still rejected)
+        with pytest.raises(ValueError) as info:
+            traced(kv_layout=layout)
+        assert str(info.value) == \
+            f'rope_pool_fused: kv_layout must be None, "NHD" or "HND", got "{layout}"'
+    fp8 = ((16, 2, 128), "float8_e4m3fn")
     with pytest.raises(TypeError, match=r"^rope_pool_fused: k_scale must be a Python float in "
                                         r"ropepool\.jax"):
-        traced({"k_pool": ((16, 2, 128), "float8_e4m3fn"), "v_pool": ((16, 2, 128), "float8_e4m3fn")},
-               k_scale=jnp.ones((1,)))
+        traced({"k_pool": fp8, "v_pool": fp8}, k_scale=jnp.ones((1,)))
+    with pytest.raises(ValueError) as info:
+        traced(v_scale=0.5)
+    assert str(info.value) == ("rope_pool_fused: v_scale is given but the pools are float32; "
+                               "k_scale and v_scale quantise float8_e4m3fn pools only")
     with pytest.raises(ValueError, match=r"^rope_pool_fused: q_out_dtype=float8_e4m3fn cannot be "
                                          r"combined with inplace=True"):
         traced(q_out_dtype=jnp.float8_e4m3fn, inplace=True)

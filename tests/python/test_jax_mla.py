@@ -298,12 +298,14 @@ def test_cuda_out_of_range_slot(rng):
     call.slots[5] = 32
     # check_slots: the call checks the slots on the host first and fails before writing.
     f = jax.jit(functools.partial(rj.mla_rope_pool_fused, **deepseek(check_slots=True)))
-    with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(P + "slots[5] = 32 is out of range")):
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=re.escape(P + "slots[5] = 32 is out of range")):
         jax.block_until_ready(f(*jax_args(call, "gpu")))
     # Without it the kernel skips that token's row (SPEC §3) and the error is reported later.
     got = jax.block_until_ready(
         jax.jit(functools.partial(rj.mla_rope_pool_fused, **deepseek()))(*jax_args(call, "gpu")))
-    with pytest.raises(RuntimeError, match=re.escape("slots[5] = 32 out of range for a pool of 32")):
+    with pytest.raises(RuntimeError,
+                       match=re.escape("slots[5] = 32 out of range for a pool of 32")):
         ropepool.cuda_check_slot_errors(GPU.id)
     call.slots[5] = -1
     assert_same(got, torch_result(call, "gpu", **deepseek()), MLA)
