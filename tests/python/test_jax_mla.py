@@ -275,6 +275,19 @@ def test_out_of_range_slot_fails_the_run(rng, page_size):
     assert_same(f(*jax_args(call, "cpu")), torch_result(call, "cpu", **kw), MLA)
 
 
+def test_repeated_slot_with_check_slots_fails_the_run(rng):
+    call = Call(rng, dtype="float16", device="cpu", T=6, H=4, P=32)
+    call.slots[:] = torch.tensor([7, -1, 3, 9, 3, 20], dtype=call.slots.dtype)
+    kw = dict(rope_base=10000.0, check_slots=True)
+    args = jax_args(call, "cpu")
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=re.escape(P + "slots[4] = 3 repeats slots[2]")):
+        jax.block_until_ready(jax.jit(functools.partial(rj.mla_rope_pool_fused, **kw))(*args))
+    np.testing.assert_array_equal(raw_bits(to_torch(args[5])), raw_bits(call.before))
+    kw["check_slots"] = False  # without it, the call runs (the row holds one token's row)
+    jax.block_until_ready(jax.jit(functools.partial(rj.mla_rope_pool_fused, **kw))(*args))
+
+
 # ---- transformations the op does not support: errors, never silent results ------------------
 
 def test_grad_and_vmap_are_errors(rng):
