@@ -1,6 +1,6 @@
-// The JAX front end's native half (SPEC §9): XLA FFI handlers of rope_pool_fused for the
-// CPU and CUDA platforms, and the shapes-only validation that ropepool/jax.py runs while
-// JAX traces a call. Built only when jaxlib's FFI headers (jax.ffi.include_dir()) are
+// The JAX front end's native half (SPEC §9): XLA FFI handlers of rope_pool_fused and
+// mla_rope_pool_fused for the CPU and CUDA platforms, and the shapes-only validation that
+// ropepool/jax.py runs while JAX traces a call. Built only when jaxlib's FFI headers (jax.ffi.include_dir()) are
 // found at build time (python/CMakeLists.txt); they are header-only, so nothing of jaxlib
 // is linked. The handlers live in this module, beside the other bindings, so a JAX call
 // shares the CPU thread pool (ropepool.set_num_threads) and the CUDA slot-error record
@@ -10,16 +10,21 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <array>
+#include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "bindings.hpp"
 #include "ropepool/error.hpp"
+#include "ropepool/mla.hpp"
 #include "ropepool/rope_pool.hpp"
 #include "ropepool/schedule.hpp"
 #include "xla/ffi/api/ffi.h"
@@ -75,8 +80,9 @@ TensorView view(const ffi::AnyBuffer& b, Device device) {
   return row_major(b.untyped_data(), from_xla(b.element_type()), device, b.dimensions());
 }
 
-// The keyword scalars of one call, as the FFI attributes carry them (ropepool/jax.py).
-// An empty inv_freq means "no precomputed schedule": the op makes rope_base's default one.
+// Optional numbers travel as arrays of no or one value (unset / set), optional strings as
+// "" when unset; an empty inv_freq means "no precomputed schedule": the op makes rope_base's
+// default one. The members are the FFI attributes of the same names (ropepool/jax.py).
 struct Keywords {
   int64_t head_dim, num_qo_heads, num_kv_heads;
   double rope_base;
@@ -84,20 +90,131 @@ struct Keywords {
   bool interleaved;
   ffi::Span<const double> inv_freq;
   double attention_scaling;
+  ffi::Span<const int64_t> mrope_section;  // SPEC §7, part of a precomputed schedule
+  bool mrope_interleaved;
+  bool q_norm, k_norm;  // which norm weights follow the seven operands, in this order
+  ffi::Span<const double> norm_eps;
+  std::string_view norm_style;
+  std::string_view kv_layout;  // SPEC §6
+  ffi::Span<const double> k_scale, v_scale, q_scale;
   bool check_slots;
 };
 
+// mla_rope_pool_fused's keywords (SPEC §8), likewise.
+struct MlaKeywords {
+  double rope_base;
+  bool interleaved;
+  ffi::Span<const double> inv_freq;
+  double attention_scaling;
+  bool nhd;
+  ffi::Span<const double> kv_scale;
+  bool check_slots;
+};
+
+}  // namespace
+}  // namespace ropepool::python
+
+// (expanded in namespace xla::ffi)
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ropepool::python::Keywords, StructMember<int64_t>("head_dim"),
+    StructMember<int64_t>("num_qo_heads"), StructMember<int64_t>("num_kv_heads"),
+    StructMember<double>("rope_base"), StructMember<int64_t>("rotary_dim"),
+    StructMember<bool>("interleaved"), StructMember<Span<const double>>("inv_freq"),
+    StructMember<double>("attention_scaling"),
+    StructMember<Span<const int64_t>>("mrope_section"), StructMember<bool>("mrope_interleaved"),
+    StructMember<bool>("q_norm"), StructMember<bool>("k_norm"),
+    StructMember<Span<const double>>("norm_eps"), StructMember<std::string_view>("norm_style"),
+    StructMember<std::string_view>("kv_layout"), StructMember<Span<const double>>("k_scale"),
+    StructMember<Span<const double>>("v_scale"), StructMember<Span<const double>>("q_scale"),
+    StructMember<bool>("check_slots"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ropepool::python::MlaKeywords, StructMember<double>("rope_base"),
+    StructMember<bool>("interleaved"), StructMember<Span<const double>>("inv_freq"),
+    StructMember<double>("attention_scaling"), StructMember<bool>("nhd"),
+    StructMember<Span<const double>>("kv_scale"), StructMember<bool>("check_slots"));
+
+namespace ropepool::python {
+namespace {
+
+std::optional<double> unset_or(ffi::Span<const double> value) {
+  return value.size() ? std::optional<double>(value[0]) : std::nullopt;
+}
+
+// A precomputed schedule from its numbers, with the schedule's own rotary_dim (2 entries
+// per frequency), not the call's: a mismatch is reported with the schedule's numbers.
+// nullptr for none (an empty inv_freq).
+const RopeSchedule* precomputed(RopeSchedule& s, ffi::Span<const double> inv_freq,
+                                double attention_scaling) {
+  if (inv_freq.size() == 0) return nullptr;
+  s.rotary_dim = 2 * int64_t(inv_freq.size());
+  s.inv_freq.assign(inv_freq.begin(), inv_freq.end());
+  s.attention_scaling = attention_scaling;
+  return &s;
+}
+
+// The op's parameters from the keywords; `schedule` holds the precomputed schedule, if any.
+RopePoolParams params_of(const Keywords& kw, RopeSchedule& schedule) {
+  RopePoolParams p;
+  p.head_dim = kw.head_dim;
+  p.num_qo_heads = kw.num_qo_heads;
+  p.num_kv_heads = kw.num_kv_heads;
+  p.rope_base = kw.rope_base;
+  p.rotary_dim = kw.rotary_dim;
+  p.interleaved = kw.interleaved;
+  p.schedule = precomputed(schedule, kw.inv_freq, kw.attention_scaling);
+  schedule.mrope_section.assign(kw.mrope_section.begin(), kw.mrope_section.end());
+  schedule.mrope_interleaved = kw.mrope_interleaved;
+  p.norm_eps = unset_or(kw.norm_eps);
+  if (kw.norm_style.size()) p.norm_style = std::string(kw.norm_style);
+  if (kw.kv_layout.size()) p.kv_layout = parse_kv_layout(std::string(kw.kv_layout));
+  p.k_scale.value = unset_or(kw.k_scale);
+  p.v_scale.value = unset_or(kw.v_scale);
+  p.q_scale.value = unset_or(kw.q_scale);
+  return p;
+}
+
+MlaParams mla_params_of(const MlaKeywords& kw, RopeSchedule& schedule) {
+  MlaParams p;
+  p.rope_base = kw.rope_base;
+  p.interleaved = kw.interleaved;
+  p.schedule = precomputed(schedule, kw.inv_freq, kw.attention_scaling);
+  p.kv_layout = kw.nhd ? MlaCacheLayout::NHD : MlaCacheLayout::Token;
+  p.kv_scale = unset_or(kw.kv_scale);
+  return p;
+}
+
+// An aliased operand (input_output_aliases): XLA hands the op one buffer, the donated array
+// or its copy. Anything else would leave every row the call does not write undefined.
+bool aliased(const ffi::AnyBuffer& operand, ffi::Result<ffi::AnyBuffer> result) {
+  return operand.element_count() == 0 ||  // (an empty buffer's address means nothing)
+         result->untyped_data() == operand.untyped_data();
+}
+
+// Runs one call of the op. Only data errors reach this point (the slot range of SPEC §3,
+// the CPU angle limit of §1, a CUDA slot error of an earlier call): validation of shapes,
+// dtypes and keywords ran when JAX traced the call. They become the error XLA raises
+// (JaxRuntimeError), with the hint.
+template <class Call>
+ffi::Error status(Call&& call) {
+  try {
+    call();
+  } catch (const Error& e) {
+    std::string message = e.what();
+    if (!e.hint().empty()) message += " (" + e.hint() + ")";
+    return ffi::Error::InvalidArgument(message);
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(e.what());
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error run(Device device, void* stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                ffi::AnyBuffer positions, ffi::AnyBuffer slots, ffi::AnyBuffer k_pool,
-               ffi::AnyBuffer v_pool, ffi::Result<ffi::AnyBuffer> q_rot,
+               ffi::AnyBuffer v_pool, std::optional<ffi::AnyBuffer> weight0,
+               std::optional<ffi::AnyBuffer> weight1, ffi::Result<ffi::AnyBuffer> q_rot,
                ffi::Result<ffi::AnyBuffer> k_rot, ffi::Result<ffi::AnyBuffer> k_pool_out,
                ffi::Result<ffi::AnyBuffer> v_pool_out, const Keywords& kw) {
-  // The pools are aliased to the outputs (input_output_aliases): XLA hands the op one
-  // buffer, the donated pool or its copy. Anything else would leave every row the call
-  // does not write undefined.
-  if (k_pool.element_count() > 0 &&  // (an empty buffer's address means nothing)
-      (k_pool_out->untyped_data() != k_pool.untyped_data() ||
-       v_pool_out->untyped_data() != v_pool.untyped_data()))
+  if (!aliased(k_pool, k_pool_out) || !aliased(v_pool, v_pool_out))
     return ffi::Error::Internal(
         "rope_pool_fused: the pool outputs are not aliased to the pool operands; call "
         "through ropepool.jax.rope_pool_fused");
@@ -111,67 +228,93 @@ ffi::Error run(Device device, void* stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   t.v_pool = view(*v_pool_out, device);
   t.q_out = view(*q_rot, device);  // q itself with inplace=True (aliased)
   t.k_out = view(*k_rot, device);
-
-  RopePoolParams params;
-  params.head_dim = kw.head_dim;
-  params.num_qo_heads = kw.num_qo_heads;
-  params.num_kv_heads = kw.num_kv_heads;
-  params.rope_base = kw.rope_base;
-  params.rotary_dim = kw.rotary_dim;
-  params.interleaved = kw.interleaved;
-  RopeSchedule schedule;
-  if (kw.inv_freq.size() > 0) {
-    schedule.rotary_dim = 2 * int64_t(kw.inv_freq.size());
-    schedule.inv_freq.assign(kw.inv_freq.begin(), kw.inv_freq.end());
-    schedule.attention_scaling = kw.attention_scaling;
-    params.schedule = &schedule;
-  }
-  CallOptions options;
-  options.check_slots = kw.check_slots;
-  options.stream = stream;
-  // Only data errors reach this point (the slot range of SPEC §3, the CPU angle limit of
-  // §1, a CUDA slot error of an earlier call): validation of shapes, dtypes and keywords ran
-  // when JAX traced the call. They become the error XLA raises (JaxRuntimeError).
-  try {
+  return status([&] {
+    RopeSchedule schedule;
+    RopePoolParams params = params_of(kw, schedule);
+    // SPEC §7's weights, after the seven operands: q's if given, then k's.
+    const std::optional<ffi::AnyBuffer> weights[2] = {weight0, weight1};
+    size_t next = 0;
+    for (auto [given, weight] : {std::pair{kw.q_norm, &params.q_norm_weight},
+                                 {kw.k_norm, &params.k_norm_weight}})
+      if (given) {
+        if (!weights[next]) throw std::logic_error("rope_pool_fused: a norm weight is missing");
+        *weight = view(*weights[next++], device);
+      }
+    CallOptions options;
+    options.check_slots = kw.check_slots;
+    options.stream = stream;
     rope_pool_fused(t, params, options);
-  } catch (const Error& e) {
-    std::string message = e.what();
-    if (!e.hint().empty()) message += " (" + e.hint() + ")";
-    return ffi::Error::InvalidArgument(message);
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(e.what());
-  }
-  return ffi::Error::Success();
+  });
 }
+
+ffi::Error run_mla(Device device, void* stream, ffi::AnyBuffer q_pe, ffi::AnyBuffer k_pe,
+                   ffi::AnyBuffer kv_c, ffi::AnyBuffer positions, ffi::AnyBuffer slots,
+                   ffi::AnyBuffer kv_cache, ffi::Result<ffi::AnyBuffer> q_pe_rot,
+                   ffi::Result<ffi::AnyBuffer> k_pe_rot, ffi::Result<ffi::AnyBuffer> kv_cache_out,
+                   const MlaKeywords& kw) {
+  if (!aliased(kv_cache, kv_cache_out))
+    return ffi::Error::Internal(
+        "mla_rope_pool_fused: the kv_cache output is not aliased to the kv_cache operand; "
+        "call through ropepool.jax.mla_rope_pool_fused");
+  MlaTensors t;
+  t.q_pe = view(q_pe, device);
+  t.k_pe = view(k_pe, device);
+  t.kv_c = view(kv_c, device);
+  t.positions = view(positions, device);
+  t.slots = view(slots, device);
+  t.kv_cache = view(*kv_cache_out, device);
+  t.q_out = view(*q_pe_rot, device);  // q_pe itself with inplace=True (aliased)
+  t.k_out = view(*k_pe_rot, device);
+  return status([&] {
+    RopeSchedule schedule;
+    MlaCallOptions options;
+    options.check_slots = kw.check_slots;
+    options.stream = stream;
+    mla_rope_pool_fused(t, mla_params_of(kw, schedule), options);
+  });
+}
+
+constexpr Device kCpu{DeviceType::CPU, 0};
 
 ffi::Error run_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer positions,
                    ffi::AnyBuffer slots, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
+                   std::optional<ffi::AnyBuffer> weight0, std::optional<ffi::AnyBuffer> weight1,
                    ffi::Result<ffi::AnyBuffer> q_rot, ffi::Result<ffi::AnyBuffer> k_rot,
                    ffi::Result<ffi::AnyBuffer> k_pool_out, ffi::Result<ffi::AnyBuffer> v_pool_out,
-                   int64_t head_dim, int64_t num_qo_heads, int64_t num_kv_heads, double rope_base,
-                   int64_t rotary_dim, bool interleaved, ffi::Span<const double> inv_freq,
-                   double attention_scaling, bool check_slots) {
-  return run({DeviceType::CPU, 0}, nullptr, q, k, v, positions, slots, k_pool, v_pool, q_rot,
-             k_rot, k_pool_out, v_pool_out,
-             {head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, interleaved, inv_freq,
-              attention_scaling, check_slots});
+                   Keywords kw) {
+  return run(kCpu, nullptr, q, k, v, positions, slots, k_pool, v_pool, weight0, weight1, q_rot,
+             k_rot, k_pool_out, v_pool_out, kw);
+}
+
+ffi::Error run_mla_cpu(ffi::AnyBuffer q_pe, ffi::AnyBuffer k_pe, ffi::AnyBuffer kv_c,
+                       ffi::AnyBuffer positions, ffi::AnyBuffer slots, ffi::AnyBuffer kv_cache,
+                       ffi::Result<ffi::AnyBuffer> q_pe_rot, ffi::Result<ffi::AnyBuffer> k_pe_rot,
+                       ffi::Result<ffi::AnyBuffer> kv_cache_out, MlaKeywords kw) {
+  return run_mla(kCpu, nullptr, q_pe, k_pe, kv_c, positions, slots, kv_cache, q_pe_rot, k_pe_rot,
+                 kv_cache_out, kw);
 }
 
 #ifdef ROPEPOOL_WITH_CUDA
-// The CUDA handler runs the kernel on XLA's stream for the computation (a cudaStream_t,
+// The CUDA handlers run the kernel on XLA's stream for the computation (a cudaStream_t,
 // taken as void* so this file needs no CUDA header) of the device XLA names.
 ffi::Error run_cuda(void* stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                     ffi::AnyBuffer v, ffi::AnyBuffer positions, ffi::AnyBuffer slots,
-                    ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool, ffi::Result<ffi::AnyBuffer> q_rot,
-                    ffi::Result<ffi::AnyBuffer> k_rot, ffi::Result<ffi::AnyBuffer> k_pool_out,
-                    ffi::Result<ffi::AnyBuffer> v_pool_out, int64_t head_dim,
-                    int64_t num_qo_heads, int64_t num_kv_heads, double rope_base,
-                    int64_t rotary_dim, bool interleaved, ffi::Span<const double> inv_freq,
-                    double attention_scaling, bool check_slots) {
+                    ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
+                    std::optional<ffi::AnyBuffer> weight0, std::optional<ffi::AnyBuffer> weight1,
+                    ffi::Result<ffi::AnyBuffer> q_rot, ffi::Result<ffi::AnyBuffer> k_rot,
+                    ffi::Result<ffi::AnyBuffer> k_pool_out,
+                    ffi::Result<ffi::AnyBuffer> v_pool_out, Keywords kw) {
   return run({DeviceType::CUDA, device}, stream, q, k, v, positions, slots, k_pool, v_pool,
-             q_rot, k_rot, k_pool_out, v_pool_out,
-             {head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, interleaved, inv_freq,
-              attention_scaling, check_slots});
+             weight0, weight1, q_rot, k_rot, k_pool_out, v_pool_out, kw);
+}
+
+ffi::Error run_mla_cuda(void* stream, int32_t device, ffi::AnyBuffer q_pe, ffi::AnyBuffer k_pe,
+                        ffi::AnyBuffer kv_c, ffi::AnyBuffer positions, ffi::AnyBuffer slots,
+                        ffi::AnyBuffer kv_cache, ffi::Result<ffi::AnyBuffer> q_pe_rot,
+                        ffi::Result<ffi::AnyBuffer> k_pe_rot,
+                        ffi::Result<ffi::AnyBuffer> kv_cache_out, MlaKeywords kw) {
+  return run_mla({DeviceType::CUDA, device}, stream, q_pe, k_pe, kv_c, positions, slots,
+                 kv_cache, q_pe_rot, k_pe_rot, kv_cache_out, kw);
 }
 #endif
 
@@ -184,27 +327,40 @@ auto bind_operands(Binding b) {
       .template Arg<ffi::AnyBuffer>()      // slots
       .template Arg<ffi::AnyBuffer>()      // k_pool
       .template Arg<ffi::AnyBuffer>()      // v_pool
+      .template OptionalArg<ffi::AnyBuffer>()  // q_norm_weight or k_norm_weight (SPEC §7)
+      .template OptionalArg<ffi::AnyBuffer>()  // k_norm_weight after q_norm_weight
       .template Ret<ffi::AnyBuffer>()      // q_rot
       .template Ret<ffi::AnyBuffer>()      // k_rot
       .template Ret<ffi::AnyBuffer>()      // k_pool (aliased)
       .template Ret<ffi::AnyBuffer>()      // v_pool (aliased)
-      .template Attr<int64_t>("head_dim")
-      .template Attr<int64_t>("num_qo_heads")
-      .template Attr<int64_t>("num_kv_heads")
-      .template Attr<double>("rope_base")
-      .template Attr<int64_t>("rotary_dim")
-      .template Attr<bool>("interleaved")
-      .template Attr<ffi::Span<const double>>("inv_freq")
-      .template Attr<double>("attention_scaling")
-      .template Attr<bool>("check_slots");
+      .template Attrs<Keywords>();
+}
+
+template <typename Binding>
+auto bind_mla_operands(Binding b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // q_pe
+      .template Arg<ffi::AnyBuffer>()      // k_pe
+      .template Arg<ffi::AnyBuffer>()      // kv_c
+      .template Arg<ffi::AnyBuffer>()      // positions
+      .template Arg<ffi::AnyBuffer>()      // slots
+      .template Arg<ffi::AnyBuffer>()      // kv_cache
+      .template Ret<ffi::AnyBuffer>()      // q_pe_rot
+      .template Ret<ffi::AnyBuffer>()      // k_pe_rot
+      .template Ret<ffi::AnyBuffer>()      // kv_cache (aliased)
+      .template Attrs<MlaKeywords>();
 }
 
 XLA_FFI_DEFINE_HANDLER(kRopePoolFusedCpu, run_cpu, bind_operands(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kMlaRopePoolFusedCpu, run_mla_cpu, bind_mla_operands(ffi::Ffi::Bind()));
 #ifdef ROPEPOOL_WITH_CUDA
 XLA_FFI_DEFINE_HANDLER(kRopePoolFusedCuda, run_cuda,
                        bind_operands(ffi::Ffi::Bind()
                                          .Ctx<ffi::PlatformStream<void*>>()
                                          .Ctx<ffi::DeviceOrdinal>()));
+XLA_FFI_DEFINE_HANDLER(kMlaRopePoolFusedCuda, run_mla_cuda,
+                       bind_mla_operands(ffi::Ffi::Bind()
+                                             .Ctx<ffi::PlatformStream<void*>>()
+                                             .Ctx<ffi::DeviceOrdinal>()));
 #endif
 
 // "(2, 8, 128)", "(5,)": a shape as JAX prints it (str of a tuple).
@@ -220,50 +376,130 @@ DType dtype_named(const std::string& name) {
   return DType::Other;
 }
 
-// The validation of rope_pool_fused from shapes and dtype names alone (JAX's abstract
-// values while a call is traced): validate_rope_pool with null data pointers and
-// data_readable = false, so every check but the data ones (slot range, CPU angle scan)
-// runs here, with the SPEC §2 messages and shapes printed as JAX prints them.
-void validate_shapes(const std::vector<std::vector<int64_t>>& shapes,
-                     const std::vector<std::string>& dtypes, const std::string& platform,
-                     bool inplace, int64_t head_dim, int64_t num_qo_heads, int64_t num_kv_heads,
-                     double rope_base, int64_t rotary_dim, bool interleaved,
-                     std::optional<std::vector<double>> schedule_inv_freq,
-                     double schedule_attention_scaling, bool check_slots) {
-  if (shapes.size() != 7 || dtypes.size() != 7)
-    throw nb::value_error("validate_shapes: expected the 7 operands' shapes and dtypes");
-  const Device device = platform == "cpu"    ? Device{DeviceType::CPU, 0}
+// The operands of a call being traced: JAX's abstract values (shapes and dtype names), as
+// views without data on the platform's device.
+std::vector<TensorView> abstract_views(const std::vector<std::vector<int64_t>>& shapes,
+                                       const std::vector<std::string>& dtypes,
+                                       const std::string& platform, size_t count) {
+  if (shapes.size() != count || dtypes.size() != count)
+    throw nb::value_error(("jax_validate: expected the " + std::to_string(count) +
+                           " operands' shapes and dtypes").c_str());
+  const Device device = platform == "cpu"    ? kCpu
                         : platform == "cuda" ? Device{DeviceType::CUDA, 0}
                                              : Device{DeviceType::Other, 0};
-  std::array<TensorView, 7> v;
-  for (size_t i = 0; i < 7; ++i)
-    v[i] = row_major(nullptr, dtype_named(dtypes[i]), device,
-                     ffi::Span<const int64_t>(shapes[i].data(), shapes[i].size()));
+  std::vector<TensorView> views;
+  for (size_t i = 0; i < count; ++i)
+    views.push_back(row_major(nullptr, dtype_named(dtypes[i]), device,
+                              ffi::Span<const int64_t>(shapes[i].data(), shapes[i].size())));
+  return views;
+}
+
+// The keywords as ropepool/jax.py passes them to validation (Python values: None for an
+// unset string, a tuple for an array), read into the handlers' structs. Owns what their
+// spans point to.
+class PyKeywords {
+ public:
+  explicit PyKeywords(nb::dict kw) : kw_(std::move(kw)) {}
+  template <class T>
+  T get(const char* name) const {
+    return nb::cast<T>(kw_[name]);
+  }
+  template <class T>
+  ffi::Span<const T> span(const char* name) {
+    auto& store = std::get<std::deque<std::vector<T>>>(arrays_);
+    return store.emplace_back(nb::cast<std::vector<T>>(kw_[name]));
+  }
+  std::optional<std::string> text(const char* name) const {
+    return nb::cast<std::optional<std::string>>(kw_[name]);
+  }
+  std::string_view str(const char* name) {
+    return strings_.emplace_back(text(name).value_or(""));
+  }
+
+ private:
+  nb::dict kw_;
+  std::tuple<std::deque<std::vector<double>>, std::deque<std::vector<int64_t>>> arrays_;
+  std::deque<std::string> strings_;
+};
+
+// The validation of rope_pool_fused from the operands' shapes and dtypes alone while JAX
+// traces a call: validate_rope_pool with null data pointers and data_readable = false, so
+// every check but the data ones (slot range, CPU angle scan) runs here, with the SPEC §2
+// messages and shapes printed as JAX prints them.
+void validate(const std::vector<std::vector<int64_t>>& shapes,
+              const std::vector<std::string>& dtypes, const std::string& platform,
+              nb::dict py) {
+  PyKeywords r(std::move(py));
+  const Keywords kw{r.get<int64_t>("head_dim"),     r.get<int64_t>("num_qo_heads"),
+                    r.get<int64_t>("num_kv_heads"), r.get<double>("rope_base"),
+                    r.get<int64_t>("rotary_dim"),   r.get<bool>("interleaved"),
+                    r.span<double>("inv_freq"),     r.get<double>("attention_scaling"),
+                    r.span<int64_t>("mrope_section"), r.get<bool>("mrope_interleaved"),
+                    r.get<bool>("q_norm"),          r.get<bool>("k_norm"),
+                    r.span<double>("norm_eps"),     r.str("norm_style"),
+                    r.str("kv_layout"),             r.span<double>("k_scale"),
+                    r.span<double>("v_scale"),      r.span<double>("q_scale"),
+                    r.get<bool>("check_slots")};
+  const std::vector<TensorView> v =
+      abstract_views(shapes, dtypes, platform, 7 + size_t(kw.q_norm) + size_t(kw.k_norm));
   RopePoolTensors t;
   t.q = v[0], t.k = v[1], t.v = v[2], t.positions = v[3], t.slots = v[4];
   t.k_pool = v[5], t.v_pool = v[6];
-  t.q_out = t.q;  // fresh arrays of q's and k's shape and dtype, or q and k with inplace
+  // Fresh arrays of q's and k's shape (q_rot float8_e4m3fn with q_out_dtype), or q and k
+  // with inplace: with null data there is no overlap either way.
+  t.q_out = t.q;
+  if (r.get<bool>("q_fp8")) t.q_out.dtype = DType::Float8E4M3FN;
   t.k_out = t.k;
-  (void)inplace;  // null data: no overlap either way
-  RopePoolParams params;
-  params.head_dim = head_dim;
-  params.num_qo_heads = num_qo_heads;
-  params.num_kv_heads = num_kv_heads;
-  params.rope_base = rope_base;
-  params.rotary_dim = rotary_dim;
-  params.interleaved = interleaved;
   RopeSchedule schedule;
-  if (schedule_inv_freq) {
-    schedule.rotary_dim = 2 * int64_t(schedule_inv_freq->size());
-    schedule.inv_freq = std::move(*schedule_inv_freq);
-    schedule.attention_scaling = schedule_attention_scaling;
-    params.schedule = &schedule;
-  }
+  RopePoolParams params = params_of(kw, schedule);
+  // The op tells a given norm weight by its data pointer: a placeholder address, never read.
+  static const char weight_placeholder = 0;
+  size_t next = 7;
+  for (auto [given, weight] : {std::pair{kw.q_norm, &params.q_norm_weight},
+                               {kw.k_norm, &params.k_norm_weight}})
+    if (given) {
+      *weight = v[next++];
+      weight->data = const_cast<char*>(&weight_placeholder);
+    }
+  // "" is unset in the attributes; a caller's "" is reported as the value it is.
+  if (r.text("norm_style") == "") params.norm_style = "";
+  if (r.text("kv_layout") == "") parse_kv_layout("");
   CallOptions options;
-  options.check_slots = check_slots;
+  options.check_slots = kw.check_slots;
   options.data_readable = false;
   options.format_shape = [](Arg, const TensorView& view) { return tuple_shape(view); };
   validate_rope_pool(t, params, options);
+}
+
+// The same for mla_rope_pool_fused. Its validation reads positions and slots on the CPU
+// (the angle scan, the slot range): it is given placeholder values that pass (position 0,
+// slot -1: no write) in place of the data, which the handler checks when the call runs.
+void validate_mla(const std::vector<std::vector<int64_t>>& shapes,
+                  const std::vector<std::string>& dtypes, const std::string& platform,
+                  nb::dict py) {
+  PyKeywords r(std::move(py));
+  const MlaKeywords kw{r.get<double>("rope_base"),   r.get<bool>("interleaved"),
+                       r.span<double>("inv_freq"),   r.get<double>("attention_scaling"),
+                       r.get<bool>("nhd"),           r.span<double>("kv_scale"),
+                       r.get<bool>("check_slots")};
+  const std::vector<TensorView> v = abstract_views(shapes, dtypes, platform, 6);
+  MlaTensors t;
+  t.q_pe = v[0], t.k_pe = v[1], t.kv_c = v[2], t.positions = v[3], t.slots = v[4];
+  t.kv_cache = v[5];
+  t.q_out = t.q_pe;  // fresh arrays of q_pe's and k_pe's shape, or q_pe and k_pe (inplace)
+  t.k_out = t.k_pe;
+  // (int64 placeholders: every byte of 0 and -1 reads the same as int32; 1-D views only,
+  // any other rank is rejected before the values are read)
+  std::vector<int64_t> zeros, minus_ones;
+  if (t.positions.ndim == 1) zeros.assign(size_t(std::max<int64_t>(t.positions.shape[0], 0)), 0);
+  if (t.slots.ndim == 1) minus_ones.assign(size_t(std::max<int64_t>(t.slots.shape[0], 0)), -1);
+  t.positions.data = zeros.data();
+  t.slots.data = minus_ones.data();
+  RopeSchedule schedule;
+  MlaCallOptions options;
+  options.check_slots = kw.check_slots;
+  options.format_shape = [](const char*, const TensorView& view) { return tuple_shape(view); };
+  validate_mla_rope_pool(t, mla_params_of(kw, schedule), options);
 }
 
 }  // namespace
@@ -273,22 +509,31 @@ void init_jax(nb::module_& m) {
   m.def(
       "jax_ffi_handlers",
       [] {
-        nb::dict handlers;
-        handlers["cpu"] = nb::capsule(reinterpret_cast<void*>(kRopePoolFusedCpu));
+        nb::dict cpu, handlers;
+        cpu["ropepool_rope_pool_fused"] = nb::capsule(reinterpret_cast<void*>(kRopePoolFusedCpu));
+        cpu["ropepool_mla_rope_pool_fused"] =
+            nb::capsule(reinterpret_cast<void*>(kMlaRopePoolFusedCpu));
+        handlers["cpu"] = cpu;
 #ifdef ROPEPOOL_WITH_CUDA
-        handlers["CUDA"] = nb::capsule(reinterpret_cast<void*>(kRopePoolFusedCuda));
+        nb::dict cuda;
+        cuda["ropepool_rope_pool_fused"] = nb::capsule(reinterpret_cast<void*>(kRopePoolFusedCuda));
+        cuda["ropepool_mla_rope_pool_fused"] =
+            nb::capsule(reinterpret_cast<void*>(kMlaRopePoolFusedCuda));
+        handlers["CUDA"] = cuda;
 #endif
         return handlers;
       },
-      "Low-level: {XLA platform name: PyCapsule of the XLA FFI handler of rope_pool_fused}, "
+      "Low-level: {XLA platform name: {FFI target name: PyCapsule of its XLA FFI handler}}, "
       "for jax.ffi.register_ffi_target (ropepool.jax does it).");
-  m.def("jax_validate", &validate_shapes, "shapes"_a, "dtypes"_a, "platform"_a, nb::kw_only(),
-        "inplace"_a, "head_dim"_a, "num_qo_heads"_a, "num_kv_heads"_a, "rope_base"_a,
-        "rotary_dim"_a, "interleaved"_a, "schedule_inv_freq"_a.none(),
-        "schedule_attention_scaling"_a, "check_slots"_a,
+  m.def("jax_validate", &validate, "shapes"_a, "dtypes"_a, "platform"_a, "keywords"_a,
         "Low-level: validate_rope_pool from the operands' shapes and dtype names (JAX's "
-        "abstract values), for platform 'cpu' or 'cuda'; raises ValueError with the SPEC §2 "
-        "messages. Slot values and the CPU angle scan are checked when the call runs.");
+        "abstract values; q, k, v, positions, slots, k_pool, v_pool, then the norm weights "
+        "given), for platform 'cpu' or 'cuda', and the keywords as ropepool.jax passes them; "
+        "raises ValueError with the SPEC §2 messages. Slot values and the CPU angle scan are "
+        "checked when the call runs.");
+  m.def("jax_validate_mla", &validate_mla, "shapes"_a, "dtypes"_a, "platform"_a, "keywords"_a,
+        "Low-level: validate_mla_rope_pool from the six operands' shapes and dtype names, as "
+        "jax_validate (SPEC §8).");
 }
 
 }  // namespace ropepool::python

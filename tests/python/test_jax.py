@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import ropepool
-from rope_testing import make_case, raw_bits
+from rope_testing import dtype_name, make_case, raw_bits
+from test_caches import spec_e4m3
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
@@ -71,11 +72,17 @@ def x64():
         yield
 
 
+# torch dtypes that NumPy has only through ml_dtypes (JAX's): moved as raw bits.
+_RAW = {torch.bfloat16: (torch.int16, jnp.bfloat16),
+        torch.float8_e4m3fn: (torch.uint8, jnp.float8_e4m3fn)}
+
+
 def to_jax(t, platform):
     """A torch CPU tensor as a committed jax.Array on the platform (bit for bit)."""
     device = CPU if platform == "cpu" else GPU
-    if t.dtype == torch.bfloat16:
-        host = t.view(torch.int16).numpy().view(jnp.bfloat16)
+    t = t.contiguous()
+    if t.dtype in _RAW:
+        host = t.view(_RAW[t.dtype][0]).numpy().view(_RAW[t.dtype][1])
     else:
         host = t.numpy()
     # A copy made by XLA: an array that device_put made zero-copy over NumPy memory has an
@@ -85,6 +92,14 @@ def to_jax(t, platform):
 
 def bits(x):
     return raw_bits(np.asarray(x)) if not isinstance(x, torch.Tensor) else raw_bits(x)
+
+
+def to_torch(x):
+    """A jax.Array as a CPU torch tensor of its dtype (bit for bit)."""
+    for t, (raw, j) in _RAW.items():
+        if x.dtype == j:
+            return torch.from_numpy(bits(x)).view(t)
+    return torch.from_numpy(np.array(x))
 
 
 def keywords(case, **extra):
@@ -105,9 +120,10 @@ def jax_args(case, platform):
     return [to_jax(x, platform) for x in case.args()]
 
 
-def assert_same(got, want):
-    for name, g, w in zip(("q_rot", "k_rot", "k_pool", "v_pool"), got, want):
-        assert g.shape == tuple(w.shape) and np.dtype(g.dtype).name == str(w.dtype).removeprefix("torch."), name
+def assert_same(got, want, names=("q_rot", "k_rot", "k_pool", "v_pool")):
+    """Every result bit for bit the torch path's (jax.Arrays or torch tensors)."""
+    for name, g, w in zip(names, got, want, strict=True):
+        assert tuple(g.shape) == tuple(w.shape) and dtype_name(g) == dtype_name(w), name
         np.testing.assert_array_equal(bits(g), bits(w), err_msg=f"{name} differs from the torch path")
 
 
@@ -142,6 +158,56 @@ def test_keywords_equal_torch_path(platform, rng, extra):
     case = new_case(rng, "float32", D=64 if "inv_freq" in extra else 128)
     f = jax.jit(functools.partial(rj.rope_pool_fused, **keywords(case, **extra)))
     assert_same(f(*jax_args(case, platform)), torch_result(case, platform, **extra))
+
+
+@pytest.mark.parametrize("form", ["NHD", "HND", "fp8", "fp8_q_rot"])
+def test_cache_keywords_equal_torch_path(platform, rng, form):
+    """SPEC §6: paged pools, float8_e4m3fn pools with float scales, an fp8 q_rot."""
+    case = new_case(rng, "bfloat16", T=9, P=32)
+    if form in ("NHD", "HND"):
+        shape = (4, 8, 2, 128) if form == "NHD" else (4, 2, 8, 128)
+        case.k_pool, case.v_pool = case.k_pool.reshape(shape), case.v_pool.reshape(shape)
+        extra = dict(kv_layout=form)
+    else:
+        case.k_pool, case.v_pool = (p.to(torch.float8_e4m3fn) for p in (case.k_pool, case.v_pool))
+        extra = dict(k_scale=0.5, v_scale=0.25)
+    torch_extra = dict(extra)
+    if form == "fp8_q_rot":
+        extra.update(q_out_dtype=jnp.float8_e4m3fn, q_scale=0.125)
+        torch_extra.update(q_out_dtype=torch.float8_e4m3fn, q_scale=0.125)
+    case.snapshot()
+    f = jax.jit(functools.partial(rj.rope_pool_fused, **keywords(case, **extra)))
+    got = f(*jax_args(case, platform))
+    assert_same(got, torch_result(case, platform, **torch_extra))
+    # v's rows as SPEC §6 places and stores them
+    v_pool = to_torch(got[3])
+    for t, s in enumerate(case.slots.tolist()):
+        if s < 0:
+            continue
+        row = {"NHD": lambda p: p[s // 8, s % 8], "HND": lambda p: p[s // 8, :, s % 8]}.get(
+            form, lambda p: p[s])(v_pool)
+        want = case.v[t] if form in ("NHD", "HND") else spec_e4m3(case.v[t].float() / 0.25)
+        np.testing.assert_array_equal(raw_bits(row), raw_bits(want), err_msg=f"v_pool row {s}")
+
+
+def test_cache_keywords_at_trace_time():
+    for layout in ("XYZ", ""):  # ("" is an unset string attribute: still rejected)
+        with pytest.raises(ValueError) as info:
+            traced(kv_layout=layout)
+        assert str(info.value) == \
+            f'rope_pool_fused: kv_layout must be None, "NHD" or "HND", got "{layout}"'
+    fp8 = ((16, 2, 128), "float8_e4m3fn")
+    with pytest.raises(TypeError, match=r"^rope_pool_fused: k_scale must be a Python float in "
+                                        r"ropepool\.jax"):
+        traced({"k_pool": fp8, "v_pool": fp8}, k_scale=jnp.ones((1,)))
+    with pytest.raises(ValueError) as info:
+        traced(v_scale=0.5)
+    assert str(info.value) == ("rope_pool_fused: v_scale is given but the pools are float32; "
+                               "k_scale and v_scale quantise float8_e4m3fn pools only")
+    with pytest.raises(ValueError, match=r"^rope_pool_fused: q_out_dtype=float8_e4m3fn cannot be "
+                                         r"combined with inplace=True"):
+        traced(q_out_dtype=jnp.float8_e4m3fn, inplace=True)
+    assert traced(q_out_dtype=jnp.float8_e4m3fn, q_scale=0.5)[0].dtype == jnp.float8_e4m3fn
 
 
 def test_schedule_keyword(platform, rng):
