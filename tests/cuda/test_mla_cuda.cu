@@ -3,8 +3,11 @@
 // and the results come back into the host buffers for the kit's whole-contract check
 // (every element against the float64 reference, cache rows bit for bit or by the fp8 rule,
 // every other byte unchanged); the device guards are checked too. Also: both kernel paths
-// (16-byte units and the scalar fallback), repeated slots across CTAs, and a bad slot that
-// is never written and is reported by cuda_check_slot_errors.
+// (16-byte units and the scalar fallback), the launch shapes (one-warp CTAs for small calls,
+// four-warp CTAs beyond; the inv_freq blocks of rope_dim <= 64 and beyond), repeated slots
+// under each guard (one token, the scan with the last writer checked, the row locks), and a
+// bad slot that is never written and is reported by cuda_check_slot_errors.
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -79,10 +82,51 @@ struct Mirror {
   }
 };
 
+// Repeated slots (SPEC §3): the first `dup_tokens` tokens name slot 3, and beyond them every
+// seventh token slot 5 and every eleventh slot 6 (so the writers of one row are spread over
+// the call, the last of them far from the first). Whatever the kernel's guard (none at T = 1,
+// the scan up to 256 tokens, the row locks beyond), each row must be one token's row.
+void repeat_slots(MlaCase& c, int64_t T, int dup_tokens) {
+  if (dup_tokens <= 0) return;
+  for (int64_t t = 0; t < T; ++t)
+    if (t < dup_tokens)
+      c.set_slot(t, 3);
+    else if (t % 7 == 2)
+      c.set_slot(t, 5);
+    else if (t % 11 == 4)
+      c.set_slot(t, 6);
+}
+
+// With the scan (T <= 256 tokens) the last token that names a row writes it, as on the CPU:
+// the row of each repeated slot must be exactly the last such token's kv_c and k_pe_rot (token
+// caches in q's dtype, where the row is bit for bit the inputs and k_out).
+void check_last_writer(const MlaCase& c, const std::string& what) {
+  const MlaShape& s = c.shape;
+  if (s.num_tokens < 2 || s.num_tokens > 256 || s.cache_dtype != s.dtype || s.page_size != 0)
+    return;
+  const size_t es = dtype_size(s.dtype);
+  for (int64_t slot : {3, 5, 6}) {
+    int64_t last = -1;
+    for (int64_t t = 0; t < s.num_tokens; ++t)
+      if (index_at(c.tensors.slots, t) == slot) last = t;
+    if (last < 0) continue;
+    const auto* row = static_cast<const unsigned char*>(element(c.tensors.kv_cache, slot, 0, 0));
+    const TensorView& k = c.tensors.k_out;
+    const bool same =
+        std::memcmp(row, element(c.tensors.kv_c, last, 0, 0), size_t(s.latent_dim) * es) == 0 &&
+        std::memcmp(row + s.latent_dim * es,
+                    k.ndim == 3 ? element(k, last, 0, 0) : element(k, last, 0),
+                    size_t(s.rope_dim) * es) == 0;
+    if (!same)
+      fail(what, "kv_cache row " + std::to_string(slot) + " is not the last writer's (token " +
+                     std::to_string(last) + ")");
+  }
+}
+
 void run_case(Rng& rng, const MlaShape& s, const std::string& what, int dup_tokens = 0) {
   MlaCase c(s);
   c.randomize(rng);
-  for (int t = 0; t < dup_tokens && t < s.num_tokens; ++t) c.set_slot(t, 3);
+  repeat_slots(c, s.num_tokens, dup_tokens);
   c.poison_outputs(rng);
   const MlaCase::Snapshot before = c.snapshot();
   Mirror m(c);
@@ -95,6 +139,7 @@ void run_case(Rng& rng, const MlaShape& s, const std::string& what, int dup_toke
   }
   m.copy_back(what);
   for (const std::string& p : c.check(before, 4)) fail(what, p);
+  if (dup_tokens > 0) check_last_writer(c, what);
 }
 
 void bad_slot(Rng& rng) {
@@ -163,9 +208,52 @@ int main() {
                                        (page_size ? " nhd16" : " token") + (fp8 ? " fp8" : "") +
                                        " nope " + std::to_string(nope) + " T " +
                                        std::to_string(T) + " H " + std::to_string(H);
-              run_case(rng, s, what, T == 300 ? 60 : 0);
+              run_case(rng, s, what, T == 1 ? 0 : T == 37 ? 3 : 60);
               ++cases;
             }
+  // Geometries beyond DeepSeek's: rope_dim with a unit count that is not a power of two (48,
+  // 80: idle lanes in a head's lane group), beyond 64 (the kernels with the full inv_freq
+  // block; 512: two slots of units per lane and two k rounds), kv_lora_rank that needs several
+  // rounds of the kv warp (2048) or is small (96), one and three heads, a page size that is
+  // not a power of two (the row's division), and calls large enough for 4-warp CTAs and the
+  // row locks (among them few heads at many tokens: 3 and 16 heads, 600 and 700 tokens);
+  // float32 and bfloat16, both pair styles, both caches, the vector and scalar paths.
+  struct Geometry {
+    int64_t R, L, H, T, page_size, nope;
+  };
+  const Geometry geometries[] = {
+      {48, 512, 16, 40, 0, 128},   {80, 96, 3, 300, 5, 0},   {128, 512, 128, 3, 0, 64},
+      {512, 2048, 2, 260, 16, 0},  {64, 2048, 1, 1, 0, 128}, {64, 512, 128, 2048, 0, 128},
+      {96, 512, 16, 1, 5, 1},      {512, 96, 4, 17, 0, 1},   {64, 512, 3, 600, 0, 0},
+      {48, 512, 16, 700, 16, 128},
+  };
+  for (const Geometry& g : geometries)
+    for (DType dtype : {DType::Float32, DType::BFloat16})
+      for (bool gptj : {true, false})
+        for (bool fp8 : {false, true}) {
+          if (g.T >= 2048 && (dtype != DType::BFloat16 || fp8))
+            continue;  // one large call each style
+          MlaShape s;
+          s.dtype = dtype;
+          s.cache_dtype = fp8 ? DType::Float8E4M3FN : dtype;
+          s.interleaved = gptj;
+          s.rope_dim = g.R;
+          s.latent_dim = g.L;
+          s.num_heads = g.H;
+          s.num_tokens = g.T;
+          s.page_size = g.page_size;
+          s.nope_dim = g.nope;
+          s.pool_size = g.page_size ? 80 * g.page_size : std::max<int64_t>(512, 2 * g.T);
+          s.slot_dtype = g.T % 2 ? DType::Int64 : DType::Int32;
+          if (fp8) s.kv_scale = 0.375;
+          const std::string what = std::string(dtype_name(dtype)) + (gptj ? " gptj" : " neox") +
+                                   (fp8 ? " fp8" : "") + " R " + std::to_string(g.R) + " L " +
+                                   std::to_string(g.L) + " H " + std::to_string(g.H) + " T " +
+                                   std::to_string(g.T) + " page " + std::to_string(g.page_size) +
+                                   " nope " + std::to_string(g.nope);
+          run_case(rng, s, what, g.T == 1 ? 0 : int(std::min<int64_t>(g.T / 4, 20)));
+          ++cases;
+        }
   MlaShape inplace;
   inplace.inplace = true;
   inplace.k_pe_3d = true;
