@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Tuple
 
 from ropepool import _ropepool
-from ropepool._op import _new_array_output
+from ropepool._op import _new_array_output, _refuse_immutable
 from ropepool._schedule import RopeSchedule, _is_bool, _is_real, rope_schedule
 
 try:
@@ -142,6 +142,8 @@ def mla_rope_pool_fused(
         object passed in, written in place.
     """
     tensors = (q_pe, k_pe, kv_c, positions, slots, kv_cache)
+    if torch is None or not all(isinstance(t, torch.Tensor) for t in tensors):
+        _refuse_immutable(_OP, zip(_TENSOR_ARGS, tensors))
     rope_base, freqs, att, nhd, scale_value, scale_tensor = _options(
         q_pe, rope_base, rope_scaling, max_position_embeddings, original_max_position_embeddings,
         seq_len, inv_freq, attention_scaling, schedule, kv_layout, kv_scale)

@@ -267,22 +267,28 @@ def _remember_geometry(head_dim, num_qo_heads, num_kv_heads, rope_base, sched_fr
 
 # Frameworks whose arrays are immutable (SPEC §9): the op would write behind their back, so
 # they have front ends of their own. Keyed by the top-level module of the array's type.
-_IMMUTABLE_FRONT_ENDS = {"mlx": ("an mlx.core.array", "ropepool.mlx.rope_pool_fused"),
-                         "jax": ("a jax.Array", "ropepool.jax.rope_pool_fused"),
-                         "jaxlib": ("a jax.Array", "ropepool.jax.rope_pool_fused")}
+_IMMUTABLE_FRONT_ENDS = {"mlx": ("an mlx.core.array", "ropepool.mlx"),
+                         "jax": ("a jax.Array", "ropepool.jax"),
+                         "jaxlib": ("a jax.Array", "ropepool.jax")}
 
 
-def _refuse_immutable_arrays(tensors, q_out=None, k_out=None) -> None:
-    """TypeError for MLX and JAX arrays, before anything is converted: DLPack would hand
-    out their memory and the pool write would mutate arrays their framework treats as
-    immutable (a lazy MLX value computed before the call would see it)."""
-    for name, t in zip(_TENSOR_ARGS + ("q_out", "k_out"), tuple(tensors) + (q_out, k_out)):
+def _refuse_immutable(op: str, named) -> None:
+    """TypeError for MLX and JAX arrays among `named` ((name, array) pairs), before anything
+    is converted: DLPack would hand out their memory and the op's writes would mutate arrays
+    their framework treats as immutable (a lazy MLX value computed before the call would see
+    it). The message names the front end's own version of `op`."""
+    for name, t in named:
         front = _IMMUTABLE_FRONT_ENDS.get(type(t).__module__.partition(".")[0])
         if front is not None:
             raise TypeError(
-                f"rope_pool_fused: {name} is {front[0]}, which ropepool.rope_pool_fused "
-                f"cannot write (it is immutable); use {front[1]}, which takes and returns "
-                "that framework's arrays")
+                f"{op}: {name} is {front[0]}, which ropepool.{op} cannot write (it is "
+                f"immutable); use {front[1]}.{op}, which takes and returns that framework's "
+                "arrays")
+
+
+def _refuse_immutable_arrays(tensors, q_out=None, k_out=None) -> None:
+    _refuse_immutable("rope_pool_fused",
+                      zip(_TENSOR_ARGS + ("q_out", "k_out"), tuple(tensors) + (q_out, k_out)))
 
 
 _FP8_NAMES = ("float8_e4m3fn",)
