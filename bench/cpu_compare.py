@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""ropepool vs PyTorch eager on the CPU: the same work, back to back, in one process.
+"""ropepool vs PyTorch eager and torch.compile on the CPU: the same work, back to back, in
+one process, beside the machine's copy bandwidth measured in the same run.
 
 PyTorch eager is what a model would do without the fused op: NeoX (half-split) rotation of q
 and k in float32 with cos/sin of float64 angles, cast back to the dtype, then
@@ -8,10 +9,15 @@ and k in float32 with cos/sin of float64 angles, cast back to the dtype, then
 Workload (same as ``ropepool bench``): Llama-3-8B attention (num_qo_heads 32, num_kv_heads 8,
 head_dim 128, rope_base 500000), bfloat16, T in 1, 16, 256, 4096, 32768, a pool of
 max(65536, 4T) slots, distinct random slots with ~5% set to -1, random positions below 2^17,
-int32 positions/slots. Both sides run with the same thread count (torch.set_num_threads and
-ropepool.set_num_threads). Small T rotate among several input sets so caches do not
-flatter either side. Calls rotate among the contenders (ropepool, torch, ropepool out=;
-torch, ropepool out=, ropepool; ...) so drift in machine load hits all alike. The speedup
+int32 positions/slots. Every contender runs with the same thread count (torch.set_num_threads
+and ropepool.set_num_threads). ``torch.compile`` compiles the eager function as it is
+in two parts, as a model would have it: the rotation (``fullgraph=True, dynamic=True``, one
+compilation for every T), then the pool write of the tokens with a slot >= 0 in eager mode
+(its boolean mask has a data-dependent shape, which a compiled graph breaks at). The copy ceiling is ``Tensor.copy_`` of a 512 MiB
+buffer with the same threads (read + written bytes, the median of 7, before and after the
+token counts; the faster counts); ``%copy`` is ropepool's default call against it. Small T rotate among several input sets so caches do not
+flatter either side. Calls rotate among the contenders (ropepool, torch, ropepool out=,
+compile; torch, ropepool out=, compile, ropepool; ...) so drift in machine load hits all alike. The speedup
 compares the default calls (both allocate their outputs). Two columns show what the output
 allocation costs: ``out_us`` times ropepool with ``q_out=``/``k_out=`` buffers allocated once
 and reused every call (in the same rotation as the default call; ``alloc/out`` is the
@@ -42,7 +48,7 @@ import time
 
 import torch
 
-from torch_reference import make_inv_freq
+from torch_reference import make_inv_freq, torch_rope_f32
 from torch_reference import torch_rope_pool as torch_eager
 
 try:
@@ -74,6 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--rope-base", type=float, default=500000.0)
     p.add_argument("--seed", type=int, default=20240601)
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
     args = p.parse_args(argv)
     try:
         args.tokens = [int(t) for t in args.tokens.split(",")]
@@ -176,7 +183,41 @@ def cpu_model():
     return platform.processor() or "unknown CPU"
 
 
-def run_tokens(T, args, dtype, threads, log):
+def _rotation(q, k, positions, inv_freq64):
+    q_f, k_f = torch_rope_f32(q, k, positions, inv_freq64)
+    return q_f.to(q.dtype), k_f.to(k.dtype)
+
+
+def compiled_contender():
+    """torch.compile of the eager contender's math: the rotation compiled, the masked pool
+    write (what torch_reference.torch_rope_pool does after it) eager."""
+    rotation = torch.compile(_rotation, fullgraph=True, dynamic=True)
+
+    def call(q, k, v, positions, slots, k_pool, v_pool, inv_freq64):
+        q_rot, k_rot = rotation(q, k, positions, inv_freq64)
+        written = slots >= 0
+        rows = slots[written].to(torch.int64)
+        k_pool.index_copy_(0, rows, k_rot[written])
+        v_pool.index_copy_(0, rows, v[written])
+        return q_rot, k_rot, k_pool, v_pool
+
+    return call
+
+
+def copy_gbps(nbytes=512 << 20, reps=7):
+    """Read + written GB/s of one Tensor.copy_ of nbytes (torch's threads), median of reps."""
+    src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times) * 1e-9
+
+
+def run_tokens(T, args, dtype, threads, log, compiled):
     Hq, Hk, D = args.num_qo_heads, args.num_kv_heads, args.head_dim
     shape = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk, rope_base=args.rope_base)
     pool_slots = max(65536, 4 * T)
@@ -189,6 +230,7 @@ def run_tokens(T, args, dtype, threads, log):
     v_pool0 = (torch.rand(pool_slots, Hk, D, generator=gen) * 8 - 4).to(dtype)
     r_pools = (k_pool0.clone(), v_pool0.clone())
     t_pools = (k_pool0.clone(), v_pool0.clone())
+    c_pools = (k_pool0.clone(), v_pool0.clone())
     sets = [make_set(T, args, dtype, pool_slots, gen) for _ in range(n_sets)]
     inv_freq64 = make_inv_freq(D, args.rope_base)
 
@@ -197,6 +239,9 @@ def run_tokens(T, args, dtype, threads, log):
 
     def run_torch(s):
         return torch_eager(s["q"], s["k"], s["v"], s["positions"], s["slots"], *t_pools, inv_freq64)
+
+    def run_compiled(s):
+        return compiled(s["q"], s["k"], s["v"], s["positions"], s["slots"], *c_pools, inv_freq64)
 
     # q_out/k_out: allocated once (and touched once, by the agreement check), reused by
     # every call, as an engine that keeps its q_rot/k_rot buffers would.
@@ -214,8 +259,13 @@ def run_tokens(T, args, dtype, threads, log):
     # Agreement on the first set, before either side has touched the pools.
     log(f"T={T}: checking that ropepool and torch eager agree")
     r_out = run_ropepool(sets[0])
-    problems = check_agreement(sets[0], r_out, run_torch(sets[0]), k_pool0, v_pool0)
-    del k_pool0, v_pool0
+    t_out = run_torch(sets[0])
+    problems = check_agreement(sets[0], r_out, t_out, k_pool0, v_pool0)
+    if compiled is not None:
+        log(f"T={T}: torch.compile (the first T compiles)")
+        problems += [f"torch.compile: {p}" for p in
+                     check_agreement(sets[0], run_compiled(sets[0]), t_out, k_pool0, v_pool0)]
+    del k_pool0, v_pool0, t_out
     o_out = run_ropepool_out(sets[0])
     if not (o_out[0] is out_buffers[0] and o_out[1] is out_buffers[1]):
         problems.append("ropepool with q_out/k_out did not return those buffers")
@@ -227,17 +277,18 @@ def run_tokens(T, args, dtype, threads, log):
         return dict(tokens=T, agree=False, problems=problems)
 
     log(f"T={T}: timing")
+    contenders = (run_ropepool, run_torch, run_ropepool_out) + (
+        (run_compiled,) if compiled is not None else ())
     for s in sets[:3]:  # warm-up
-        run_ropepool(s)
-        run_torch(s)
-        run_ropepool_out(s)
-    contenders = (run_ropepool, run_torch, run_ropepool_out)
+        for fn in contenders:
+            fn(s)
     samples = {fn: [] for fn in contenders}
     start = time.perf_counter()
     i = 0
     while len(samples[run_ropepool]) < args.min_calls or time.perf_counter() - start < args.seconds:
         s = sets[i % n_sets]
-        order = contenders[i % 3:] + contenders[:i % 3]
+        k = i % len(contenders)
+        order = contenders[k:] + contenders[:k]
         for fn in order:
             t0 = time.perf_counter()
             fn(s)
@@ -260,8 +311,9 @@ def run_tokens(T, args, dtype, threads, log):
 
     r, t = with_gbps(summarize(samples[run_ropepool])), with_gbps(summarize(samples[run_torch]))
     o = with_gbps(summarize(samples[run_ropepool_out]))
+    c = with_gbps(summarize(samples[run_compiled])) if compiled is not None else None
     return dict(tokens=T, pool_slots=pool_slots, input_sets=n_sets, agree=True, bytes_per_call=nbytes,
-                ropepool=r, torch_eager=t, ropepool_out=o,
+                ropepool=r, torch_eager=t, ropepool_out=o, torch_compile=c,
                 ropepool_inplace=with_gbps(summarize(inplace_samples)),
                 speedup=t["median_us"] / r["median_us"] if r["median_us"] else float("nan"),
                 alloc_over_out=r["median_us"] / o["median_us"] if o["median_us"] else float("nan"))
@@ -279,21 +331,27 @@ def main(argv=None):
         print(f"[cpu_compare] {msg}", file=sys.stderr, flush=True)
 
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    print(f"ropepool {ropepool.__version__} vs PyTorch {torch.__version__} eager, CPU, {date}")
+    print(f"ropepool {ropepool.__version__} vs PyTorch {torch.__version__} eager and "
+          f"torch.compile, CPU, {date}")
     print(f"CPU: {cpu_model()}, {os.cpu_count()} hardware threads; threads: ropepool {threads}, "
           f"torch {torch.get_num_threads()}")
     print(f"workload: {args.dtype}, num_qo_heads {args.num_qo_heads}, num_kv_heads {args.num_kv_heads}, "
           f"head_dim {args.head_dim}, rope_base {args.rope_base:g}, int32 positions below 2^17 and slots, "
-          f"~5% slots -1\n", flush=True)
+          f"~5% slots -1", flush=True)
+    copy_before = copy_gbps()
+    print(f"copy ceiling (Tensor.copy_ of 512 MiB, {threads} thread(s), read + written): "
+          f"{copy_before:.2f} GB/s before", flush=True)
+    compiled = None if args.no_compile else compiled_contender()
     header = (f"{'tokens':>7} {'sets':>5} {'calls':>7}  {'ropepool_us':>12} {'(p10-p90)':>19}  "
               f"{'torch_us':>12} {'(p10-p90)':>21}  {'rp GB/s':>8} {'pt GB/s':>8}  {'speedup':>8}  "
-              f"{'out_us':>11} {'(p10-p90)':>19} {'alloc/out':>9}  {'inplace_us':>11} {'GB/s':>6}")
+              f"{'out_us':>11} {'(p10-p90)':>19} {'alloc/out':>9}  {'inplace_us':>11} {'GB/s':>6}  "
+              f"{'compile_us':>11}")
     print(header, flush=True)
 
     results = []
     ok = True
     for T in args.tokens:
-        res = run_tokens(T, args, dtype, threads, log)
+        res = run_tokens(T, args, dtype, threads, log, compiled)
         results.append(res)
         if not res["agree"]:
             ok = False
@@ -308,10 +366,20 @@ def main(argv=None):
               f"{res['speedup']:>7.2f}x  {o['median_us']:>11.2f} "
               f"({o['p10_us']:>8.2f}-{o['p90_us']:>8.2f}) {res['alloc_over_out']:>8.2f}x  "
               f"{res['ropepool_inplace']['median_us']:>11.2f} "
-              f"{res['ropepool_inplace']['gbps']:>6.2f}", flush=True)
+              f"{res['ropepool_inplace']['gbps']:>6.2f}  "
+              f"{res['torch_compile']['median_us'] if res['torch_compile'] else float('nan'):>11.2f}",
+              flush=True)
+    copy_after = copy_gbps()
+    ceiling = max(copy_before, copy_after)
+    print(f"copy ceiling after: {copy_after:.2f} GB/s; ropepool's default call, % of the faster "
+          f"({ceiling:.2f} GB/s): " + ", ".join(
+              f"T={x['tokens']} {100 * x['ropepool']['gbps'] / ceiling:.0f}%"
+              for x in results if x["agree"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(date=date, cpu=cpu_model(), threads=threads, dtype=args.dtype,
+                           copy_gbps=ceiling, copy_gbps_before=copy_before,
+                           copy_gbps_after=copy_after,
                            ropepool_version=ropepool.__version__, torch_version=torch.__version__,
                            num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads,
                            head_dim=args.head_dim, rope_base=args.rope_base, results=results), f, indent=2)
