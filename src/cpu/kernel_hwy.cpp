@@ -600,11 +600,12 @@ HWY_INLINE void RotateRowToFloat(const typename E::T* x, float* HWY_RESTRICT f,
 
 // A float32 row rounded once to q's dtype.
 template <class E>
-HWY_INLINE void DemoteRowTo(const float* f, typename E::T* out, int64_t n) {
+HWY_INLINE void DemoteRowTo(const float* f, typename E::T* out, int64_t n, bool stream) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  stream = stream && Aligned(out, size_t(N) * sizeof(typename E::T));
   int64_t i = 0;
-  for (; i + N <= n; i += N) StoreVec<E>(df, hn::LoadU(df, f + i), out + i, false);
+  for (; i + N <= n; i += N) StoreVec<E>(df, hn::LoadU(df, f + i), out + i, stream);
   for (; i < n; ++i) out[i] = E::scalar_store(f[i]);
 }
 
@@ -796,6 +797,10 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
   // own), and one float32 row.
   float *cos_p = cos_t, *sin_p = sin_t, *cos_pil = cos_il, *sin_pil = sin_il;
   thread_local std::vector<float> plain_table, rotated;
+  // Large calls (stream) write e4m3 rows with non-temporal stores as well: each row is
+  // quantised into this staging row (it stays in L1) and then streamed out, so its lines
+  // are not read for ownership first.
+  thread_local std::vector<uint8_t> e4m3_stage;
   bool fp8_pool = false, fp8_q = false;
   Divisor k_div(1.0f), v_div(1.0f), q_div(1.0f);
   if constexpr (kQuant) {
@@ -805,6 +810,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     v_div = Divisor(ScaleValue(p.v_scale));
     q_div = Divisor(ScaleValue(p.q_scale));
     if (rotated.size() < size_t(D)) rotated.resize(size_t(D));
+    if (e4m3_stage.size() < size_t(D)) e4m3_stage.resize(size_t(D));
     if (kBF16) {
       if (plain_table.size() < size_t(6 * n)) plain_table.resize(size_t(6 * n));
       cos_p = plain_table.data();
@@ -916,12 +922,13 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     for (int64_t h = block.head_begin; h < block.head_end; ++h) {
       if (h < Hq) {
         const T* x = q_norm ? norm(row(p.q, t, h), 0, h) : row(p.q, t, h);
-        if (kQuant && fp8_q)
-          RotateRowToE4M3<E>(x,
-                             static_cast<uint8_t*>(p.q_out.data) + t * p.q_out.row_stride +
-                                 h * p.q_out.head_stride,
-                             cos_p, sin_p, cos_pil, sin_pil, R, D, p.interleaved, q_div);
-        else
+        if (kQuant && fp8_q) {
+          uint8_t* out = static_cast<uint8_t*>(p.q_out.data) + t * p.q_out.row_stride +
+                         h * p.q_out.head_stride;
+          RotateRowToE4M3<E>(x, stream ? e4m3_stage.data() : out, cos_p, sin_p, cos_pil,
+                             sin_pil, R, D, p.interleaved, q_div);
+          if (stream) CopyBytes(out, e4m3_stage.data(), size_t(D), true);
+        } else
           rotate(x, row(p.q_out, t, h), nullptr);
         continue;
       }
@@ -930,12 +937,15 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
       if (kQuant && fp8_pool) {
         float* f = rotated.data();
         RotateRowToFloat<E>(x, f, cos_p, sin_p, cos_pil, sin_pil, R, D, p.interleaved);
-        DemoteRowTo<E>(f, row(p.k_out, t, kv), D);
+        DemoteRowTo<E>(f, row(p.k_out, t, kv), D, stream);
         if (slot >= 0) {
-          QuantizeRow<Float32>(f, reinterpret_cast<uint8_t*>(PoolRow(p.k_pool, page, page_row, kv, 1)),
-                               D, k_div);
-          QuantizeRow<E>(row(p.v, t, kv),
-                         reinterpret_cast<uint8_t*>(PoolRow(p.v_pool, page, page_row, kv, 1)), D, v_div);
+          auto* k_dst = reinterpret_cast<uint8_t*>(PoolRow(p.k_pool, page, page_row, kv, 1));
+          auto* v_dst = reinterpret_cast<uint8_t*>(PoolRow(p.v_pool, page, page_row, kv, 1));
+          uint8_t* stage = e4m3_stage.data();
+          QuantizeRow<Float32>(f, stream ? stage : k_dst, D, k_div);
+          if (stream) CopyBytes(k_dst, stage, size_t(D), true);
+          QuantizeRow<E>(row(p.v, t, kv), stream ? stage : v_dst, D, v_div);
+          if (stream) CopyBytes(v_dst, stage, size_t(D), true);
         }
         continue;
       }

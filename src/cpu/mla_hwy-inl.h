@@ -227,7 +227,7 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
     if constexpr (kFp8Cache) {
       // SPEC §8: the cache gets the rotated k before it is rounded to k's dtype.
       RotateRowToFloat<E>(k_x, k_f32, cos_t, sin_t, cos_il, sin_il, R, R, gptj);
-      DemoteRowTo<E>(k_f32, k_dst, R);
+      DemoteRowTo<E>(k_f32, k_dst, R, false);
       if (slot < 0) continue;
       uint8_t* dst = stream ? row_stage : cache_row(slot);
       QuantizeRow<E>(kv, dst, L, div);
