@@ -10,16 +10,17 @@ Workload (same as ``ropepool bench``): Llama-3-8B attention (num_qo_heads 32, nu
 head_dim 128, rope_base 500000), bfloat16, T in 1, 16, 256, 4096, 32768, a pool of
 max(65536, 4T) slots, distinct random slots with ~5% set to -1, random positions below 2^17,
 int32 positions/slots. Every contender runs with the same thread count (torch.set_num_threads
-and ropepool.set_num_threads). ``torch.compile`` compiles the eager function as it is
-in two parts, as a model would have it: the rotation (``fullgraph=True, dynamic=True``, one
-compilation for every T), then the pool write of the tokens with a slot >= 0 in eager mode
-(its boolean mask has a data-dependent shape, which a compiled graph breaks at). The copy ceiling is ``Tensor.copy_`` of a 512 MiB
-buffer with the same threads (read + written bytes, the median of 7, before and after the
-token counts; the faster counts); ``%copy`` is ropepool's default call against it. Small T rotate among several input sets so caches do not
-flatter either side. Calls rotate among the contenders (ropepool, torch, ropepool out=,
-compile; torch, ropepool out=, compile, ropepool; ...) so drift in machine load hits all alike. The speedup
-compares the default calls (both allocate their outputs). Two columns show what the output
-allocation costs: ``out_us`` times ropepool with ``q_out=``/``k_out=`` buffers allocated once
+and ropepool.set_num_threads). ``torch.compile`` compiles the eager function in two parts,
+as a model would have it: the rotation (``fullgraph=True, dynamic=True``, one compilation
+for every T), then the pool write of the tokens with a slot >= 0 in eager mode (its boolean
+mask has a data-dependent shape, which a compiled graph breaks at). The copy ceiling is
+``Tensor.copy_`` of a 512 MiB buffer with the same threads (read + written bytes, the median
+of 7, before and after the token counts; the faster counts); ``%copy`` is ropepool's default
+call against it. Small T rotate among several input sets (2x the L3, within 256..1024 MiB)
+so caches do not flatter any side. Calls rotate among the contenders (ropepool, torch,
+ropepool out=, compile; torch, ropepool out=, compile, ropepool; ...) so drift in machine
+load hits all alike. The speedup compares the default calls (both allocate their outputs).
+Two columns show what the output allocation costs: ``out_us`` times ropepool with ``q_out=``/``k_out=`` buffers allocated once
 and reused every call (in the same rotation as the default call; ``alloc/out`` is the
 default call's median over this one), and a last column times ``inplace=True`` (q_rot/k_rot
 written into q/k), after the others because it overwrites q and k.
@@ -72,8 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--seconds", type=float, default=2.0,
                    help="timing budget per token count, both sides together (default 2)")
     p.add_argument("--min-calls", type=int, default=5, help="at least this many timed calls per side (default 5)")
-    p.add_argument("--rotate-mib", type=int, default=256,
-                   help="input bytes to rotate among for small T (default 256)")
+    p.add_argument("--rotate-mib", type=int, default=0,
+                   help="input bytes to rotate among for small T (default: 2 x the L3, within "
+                        "256..1024 MiB, as `ropepool bench`)")
     p.add_argument("--num-qo-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -170,6 +172,23 @@ def summarize(samples):
 def bytes_per_call(T, args, dtype):
     es = torch.tensor([], dtype=dtype).element_size()
     return T * args.head_dim * es * (2 * args.num_qo_heads + 5 * args.num_kv_heads) + T * 2 * 4
+
+
+def l3_bytes():
+    """The L3 size sysfs reports for cpu0 (0 when unknown)."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for entry in sorted(os.listdir(base)):
+            with open(f"{base}/{entry}/level") as f:
+                if f.read().strip() != "3":
+                    continue
+            with open(f"{base}/{entry}/size") as f:
+                text = f.read().strip()
+            scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+            return int(text.rstrip("KM")) * scale
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def cpu_model():
@@ -321,6 +340,8 @@ def run_tokens(T, args, dtype, threads, log, compiled):
 
 def main(argv=None):
     args = parse_args(argv)
+    if not args.rotate_mib:  # beyond the last-level cache, as ropepool bench
+        args.rotate_mib = min(1024, max(256, 2 * l3_bytes() >> 20))
     dtype = DTYPES[args.dtype]
     if args.threads:
         ropepool.set_num_threads(args.threads)
