@@ -20,8 +20,8 @@ call against it. Small T rotate among several input sets (2x the L3, within 256.
 so caches do not flatter any side. Calls rotate among the contenders (ropepool, torch,
 ropepool out=, compile; torch, ropepool out=, compile, ropepool; ...) so drift in machine
 load hits all alike. The speedup compares the default calls (both allocate their outputs).
-Two columns show what the output allocation costs: ``out_us`` times ropepool with ``q_out=``/``k_out=`` buffers allocated once
-and reused every call (in the same rotation as the default call; ``alloc/out`` is the
+Two columns show what the output allocation costs: ``out_us`` times ropepool with
+``q_out=``/``k_out=`` buffers allocated once and reused every call (in the same rotation as the default call; ``alloc/out`` is the
 default call's median over this one), and a last column times ``inplace=True`` (q_rot/k_rot
 written into q/k), after the others because it overwrites q and k.
 
