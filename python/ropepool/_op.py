@@ -406,22 +406,6 @@ def _norm_scalars(norm_eps, norm_style):
     return norm_eps, norm_style
 
 
-def _scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, rope_scaling,
-             max_position_embeddings, original_max_position_embeddings, seq_len, inv_freq,
-             attention_scaling, schedule):
-    """_fused_scalars without SPEC §7's mRoPE, for the front ends that do not have it yet
-    (MLX, JAX): a dict or schedule asking for mRoPE is an error there, never dropped."""
-    out = _fused_scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim,
-                         rope_scaling, max_position_embeddings,
-                         original_max_position_embeddings, seq_len, inv_freq,
-                         attention_scaling, schedule)
-    if out[7] is not None:
-        raise ValueError("rope_pool_fused: mrope_section (SPEC §7) is not supported by this "
-                         "front end yet; use ropepool.rope_pool_fused with torch or NumPy "
-                         "arrays")
-    return out[:7]
-
-
 def _fused_scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, rope_scaling,
                    max_position_embeddings, original_max_position_embeddings, seq_len, inv_freq,
                    attention_scaling, schedule, mrope_section=None, mrope_interleaved=None):

@@ -312,7 +312,7 @@ def test_messages_at_call_time(args, message):
 
 
 def test_keyword_messages_are_the_torch_paths():
-    """Keyword rules live in one place (ropepool._op._scalars and the C++ schedule)."""
+    """Keyword rules live in one place (ropepool._op._fused_scalars and the C++ schedule)."""
     t_args = [torch.zeros(2, 4, 16), torch.zeros(2, 2, 16), torch.zeros(2, 2, 16),
               torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
               torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)]
