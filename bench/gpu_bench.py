@@ -188,11 +188,7 @@ class Workload:
             self.q, self.k, self.v = uniform(n, Hq, D), uniform(n, Hk, D), uniform(n, Hk, D)
         self.positions = torch.randint(0, 1 << 17, (n,), generator=gen, device=dev,
                                        dtype=torch.int32)
-        # T distinct rows per set: consecutive slices of random permutations of the pool.
-        per_perm = self.P // T
-        perms = [torch.randperm(self.P, generator=gen, device=dev)[: per_perm * T]
-                 for _ in range(math.ceil(self.n_sets / per_perm))]
-        self.slots = torch.cat(perms)[:n].to(torch.int32)
+        self.slots = distinct_slots(self.P, T, self.n_sets, gen, dev)
         self.k_pool = uniform(self.P, Hk, D)
         self.v_pool = uniform(self.P, Hk, D)
         self.inv_freq64 = make_inv_freq(D, args.rope_base, dev)
@@ -217,24 +213,36 @@ class Workload:
         return self._sets[i % self.n_sets]
 
 
+def distinct_slots(pool_rows, T, n_sets, gen, device):
+    """int32 slots [n_sets * T]: T distinct rows of the pool per set, consecutive slices of
+    random permutations of it."""
+    per_perm = pool_rows // T
+    perms = [torch.randperm(pool_rows, generator=gen, device=device)[: per_perm * T]
+             for _ in range(math.ceil(n_sets / per_perm))]
+    return torch.cat(perms)[: n_sets * T].to(torch.int32)
+
+
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 
 
-def pair_sum(x):
-    """|a| + |b| of every element's NeoX pair, in float64: the scale of SPEC §1's float32 term."""
+def pair_sum(x, interleaved=False):
+    """|a| + |b| of every element's pair (NeoX halves, or GPT-J neighbours when interleaved), in
+    float64: the scale of SPEC §1's float32 term."""
     x = x.double().abs()
+    if interleaved:
+        return (x[..., 0::2] + x[..., 1::2]).repeat_interleave(2, dim=-1)
     h = x.shape[-1] // 2
     s = x[..., :h] + x[..., h:]
     return torch.cat((s, s), dim=-1)
 
 
-def rotation_problems(what, got, want, x, slack=0.0):
-    """got within 2 ulp of want, plus 2^-17 (|a| + |b|) of the rotated input x, plus `slack`
-    (a number, or a tensor like got): a list of one problem, or none."""
+def rotation_problems(what, got, want, x, slack=0.0, interleaved=False):
+    """got within 2 ulp of want, plus 2^-17 (|a| + |b|) of the rotated input x (pairs as
+    pair_sum's), plus `slack` (a number, or a tensor like got): a list of one problem, or none."""
     g, e = got.double(), want.double()
     # SPEC §1's float32 term twice over: the eager references round in float32 too
     bound = (2.0 ** (1 - MANTISSA_BITS[want.dtype]) * torch.maximum(g.abs(), e.abs())
-             + 2.0 ** -17 * pair_sum(x) + slack)
+             + 2.0 ** -17 * pair_sum(x, interleaved) + slack)
     nbad = int((~((g - e).abs() <= bound)).sum())
     return [f"{what}: {nbad} elements outside the bound"] if nbad else []
 
@@ -307,8 +315,8 @@ class GpuTimer:
         return self.start.elapsed_time(self.end) * 1e-3
 
 
-def warm_up(fn, w):
-    for i in range(3):
+def warm_up(fn, w, start=0):
+    for i in range(start, start + 3):
         fn(*w.args_of(i))
     torch.cuda.synchronize()
 
@@ -343,14 +351,16 @@ def time_back_to_back(fn, w, samples, start=0):
     return statistics.median(out), timer.host_bound
 
 
-def time_graph(fn, w, samples):
-    """Median GPU seconds per call of CUDA graphs of 20 calls on 20 different input sets; as
-    many graphs as the cold rotation needs (one memory pool, replayed in capture order)."""
-    n_graphs = max(1, w.n_sets // CALLS_PER_BATCH)
+def time_graph(fn, w, samples, start=0):
+    """Median GPU seconds per call of CUDA graphs of 20 calls on 20 different input sets, from
+    set `start` on; as many graphs as the cold rotation needs, but no more than are replayed
+    (one memory pool, replayed in capture order)."""
+    replays = 3 + max(samples, 3)
+    n_graphs = max(1, min(w.n_sets // CALLS_PER_BATCH, replays))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for i in range(3):
+        for i in range(start, start + 3):
             fn(*w.args_of(i))
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
@@ -360,7 +370,7 @@ def time_graph(fn, w, samples):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=pool, stream=s):
             for c in range(CALLS_PER_BATCH):
-                fn(*w.args_of(g_i * CALLS_PER_BATCH + c))
+                fn(*w.args_of(start + g_i * CALLS_PER_BATCH + c))
         graphs.append(g)
     for g in graphs[: min(3, n_graphs)]:
         g.replay()
@@ -800,28 +810,41 @@ def print_fusion_table(rows):
 MODES = ("call", "b2b", "graph")
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.samples < 50:
-        sys.exit("gpu_bench.py: --samples must be >= 50 (medians of at least 50)")
-    # A run that hangs says where: every thread's stack, then exit (scripts/gpu_check.sh sets
-    # this below its own kill timeout).
+def open_device(samples, script):
+    """The start of a GPU benchmark (this one and gpu_bench_mla.py): --samples checked, the
+    watchdog started, the CUDA device's properties printed and returned. A run that hangs
+    says where: every thread's stack, then exit, after $ROPEPOOL_BENCH_WATCHDOG_S seconds
+    (scripts/gpu_check.sh sets it below its own kill)."""
+    if samples < 50:
+        sys.exit(f"{script}: --samples must be >= 50 (medians of at least 50)")
     watchdog_s = float(os.environ.get("ROPEPOOL_BENCH_WATCHDOG_S", "0"))
     if watchdog_s > 0:
         faulthandler.dump_traceback_later(watchdog_s, exit=True)
     if not torch.cuda.is_available():
-        sys.exit("gpu_bench.py: no CUDA device")
+        sys.exit(f"{script}: no CUDA device")
     props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name}, {props.multi_processor_count} SMs, L2 "
+          f"{props.L2_cache_size / 1e6:.0f} MB; torch {torch.__version__}", flush=True)
+    return props
+
+
+def copy_ceiling():
+    """Bytes per second (read + write) of a 1 GiB device-to-device copy, printed."""
+    bps = 2 * (1 << 30) / copy_seconds(1 << 30, reps=12, warmup=2)
+    print(f"device-to-device copy (1 GiB): {bps / 1e9:.0f} GB/s counting read + write", flush=True)
+    return bps
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    props = open_device(args.samples, "gpu_bench.py")
     l2 = props.L2_cache_size
-    print(f"device: {props.name}, {props.multi_processor_count} SMs, L2 {l2 / 1e6:.0f} MB; "
-          f"torch {torch.__version__}", flush=True)
     if ropepool is None:
         print(f"ropepool: NOT IMPORTABLE ({ROPEPOOL_IMPORT_ERROR}); timing the baselines only")
     elif not ropepool.cuda_backend:
         print("ropepool: built without the CUDA backend; timing the baselines only")
     have_ropepool = ropepool is not None and ropepool.cuda_backend
-    copy_bps = 2 * (1 << 30) / copy_seconds(1 << 30, reps=12, warmup=2)
-    print(f"device-to-device copy (1 GiB): {copy_bps / 1e9:.0f} GB/s counting read + write", flush=True)
+    copy_bps = copy_ceiling()
 
     # The floor of each mode: one empty kernel (a zero-cycle spin) timed the same way.
     floor = {"call": statistics.median(GpuTimer()(lambda: torch.cuda._sleep(0))
@@ -931,14 +954,21 @@ def main(argv=None):
                   rows=rows, problems=problems_all, ropepool=have_ropepool, layouts=layout_rows,
                   caches=cache_rows, fusions=fusion_rows, norm_eps=args.norm_eps,
                   norm_weight_dtype=args.norm_weight_dtype)
-    if args.json:
-        with open(args.json, "w") as f:
+    return finish(result, args.json, print_table) or (0 if have_ropepool else 2)
+
+
+def finish(result, path, table):
+    """The end of a GPU benchmark (this one and gpu_bench_mla.py): the results written to
+    `path` (none when it is empty), table(result) printed, then the checks' problems: the exit
+    status, 1 when a check failed, else 0."""
+    if path:
+        with open(path, "w") as f:
             json.dump(result, f, indent=1)
-    print_table(result)
-    if problems_all:
-        print("CHECK FAILED:\n  " + "\n  ".join(problems_all))
+    table(result)
+    if result["problems"]:
+        print("CHECK FAILED:\n  " + "\n  ".join(result["problems"]))
         return 1
-    return 0 if have_ropepool else 2
+    return 0
 
 
 def print_table(r):
