@@ -1,55 +1,106 @@
 #!/usr/bin/env python3
-"""mla_rope_pool_fused on a CUDA GPU next to PyTorch eager and a device-to-device copy.
+"""mla_rope_pool_fused on a CUDA GPU next to PyTorch eager, torch.compile and a device copy.
 
     python bench/gpu_bench_mla.py                    # DeepSeek-V3 shape, every row
-    python bench/gpu_bench_mla.py --tokens 1,4096 --json out.json
+    python bench/gpu_bench_mla.py --tokens 1,4096 --heads 128 --json out.json
 
-Workload (DeepSeek-V3 config.json: qk_rope_head_dim 64, kv_lora_rank 512, rope_theta 10000,
-yarn factor 40 from 4096, beta 32/1, mscale = mscale_all_dim = 1.0): bfloat16 q [T, H, 192]
-with q_pe its last 64 columns, kv [T, 576] with kv_c and k_pe its column slices, H = 128
-(one rank of a TP-1 run) and 16 (TP-8), a token cache of 262144 rows in bfloat16 or
-float8_e4m3fn (kv_scale 0.5), int32 positions below 2^20, T distinct random slots.
+Workload (SPEC §8; DeepSeek-V3 config.json: qk_rope_head_dim 64, kv_lora_rank 512,
+rope_theta 10000, yarn factor 40 from 4096, beta 32/1, mscale = mscale_all_dim = 1.0):
+bfloat16 q [T, H, 192] with q_pe its last 64 columns, kv [T, 576] with kv_c and k_pe its
+column slices, H = 128 (one rank of a TP-1 run) and 16 (TP-8), a token cache [262144, 576] in
+bfloat16 or float8_e4m3fn (kv_scale 0.5); inputs uniform in [-4, 4); int32 positions random
+below 2^17; int32 slots: T distinct rows of the cache, slices of a random permutation.
 
-Contenders, the same function:
+Contenders, all computing the same function:
   ropepool   ropepool.mla_rope_pool_fused (one kernel)
   eager      PyTorch: cos/sin of float64 angles, float32 GPT-J rotation, cast, the cache rows
              written with index_copy_ (fp8: divided by the scale, clamped to +-448, cast)
-  copy       a device-to-device copy of the same number of bytes (read + written)
+  compile    torch.compile of that same function (fullgraph, dynamic shapes); dropped, with
+             the reason printed, if it does not compile
+  copy       a device-to-device copy: the ceiling (bytes read + written), 1 GiB and the same
+             bytes as one call
 
-Cold inputs: each call reads the next of N input sets, N such that one pass exceeds 4x the
-L2; the cache is far larger than the L2. Modes: b2b (CUDA events around 20 calls on 20
-sets, time / 20) and graph (a CUDA graph of those 20 calls, replay time / 20); medians of
---samples. Effective bandwidth counts T*(2*H*64 + 2*64 + 512)*2 + T*576*cache_elem + 8*T
-bytes. Before timing, ropepool's outputs are checked against eager's (q_pe_rot/k_pe_rot
-within 2 bf16 ulp, cache rows of kv_c bit for bit, k_pe_rot within 2 bf16 ulp or one e4m3
-step).
+Method: bench/gpu_bench.py's, with its helpers. Cold inputs: every call reads the next of N
+input sets (a multiple of 20), N chosen so that one pass over the bytes a call reads exceeds
+--l2-multiple (4) L2s; one cursor runs through the sets across every contender and mode, so
+no set is read again before all the others have been. Three modes, every contender:
+  per call     CUDA events around each single call
+  b2b          back-to-back: events around batches of 20 calls, time / 20
+  graph        CUDA graphs of 20 calls on 20 different input sets, replay time / 20
+with a GPU spin (torch.cuda._sleep) queued before each timed region, so that the events time
+the GPU's work, not the host's launches (samples where the host still fell behind are
+retaken, then counted); medians of --samples (>= 50).
+
+Effective bandwidth counts T*(2*H*64 + 2*64 + 512)*2 + T*576*cache_elem + 8*T bytes (q_pe,
+k_pe, kv_c read; q_pe_rot, k_pe_rot and the cache row written; positions, slots).
+
+Before timing, on input set 0, every contender is checked against independent results:
+q_pe_rot/k_pe_rot against eager's within 2 ulp plus SPEC §1's float32 term (eager's own
+against ropepool's, through ropepool's check), the cache rows' kv_c part bit for bit against
+kv_c (fp8: e4m3(kv_c / kv_scale)), their k_pe part bit for bit against the contender's own
+k_pe_rot (fp8: within one e4m3 step of eager's row), every other cache row unchanged.
+tests/python/test_gpu_bench_mla.py runs these checks on the CPU.
+
+Writes full results to --json (default $OUT/gpu_bench_mla.json when $OUT is set; '' for
+none), one JSON line per row as it goes, and prints a short table last.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import math
+import os
+import sys
+import time
 
 import torch
 
 import ropepool
+from gpu_bench import (CALLS_PER_BATCH, MODES, copy_ceiling, copy_seconds, distinct_slots,
+                       e4m3_close, finish, open_device, rotation_problems, time_back_to_back,
+                       time_graph, time_per_call, warm_up)
 
 R, L, NOPE, CACHE_ROWS = 64, 512, 128, 262144
+FP8 = torch.float8_e4m3fn
 ROPE_SCALING = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 SCHEDULE = ropepool.rope_schedule(head_dim=R, rope_base=10000.0, rope_scaling=ROPE_SCALING,
                                   max_position_embeddings=163840)
-_INV_FREQ: dict = {}
+CONTENDERS = ("ropepool", "eager", "compile")
+SHORT = {"bfloat16": "bf16", "float8_e4m3fn": "fp8"}  # the table's cache column
 
 
-def eager(q_pe, k_pe, kv_c, positions, slots, cache, scale):
-    """The same math in PyTorch: float64 angles, float32 rotation of GPT-J pairs."""
-    inv_freq = _INV_FREQ.get(q_pe.device)
-    if inv_freq is None:  # made once: a host-to-device copy cannot be captured in a graph
-        inv_freq = _INV_FREQ[q_pe.device] = torch.tensor(SCHEDULE.inv_freq, dtype=torch.float64,
-                                                         device=q_pe.device)
-    theta = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="1,16,256,4096,16384")
+    p.add_argument("--heads", default="128,16")
+    p.add_argument("--caches", default="bfloat16,float8_e4m3fn",
+                   help="cache dtypes, of bfloat16 and float8_e4m3fn")
+    p.add_argument("--pool-rows", type=int, default=CACHE_ROWS, help="rows of the cache")
+    p.add_argument("--l2-multiple", type=float, default=4.0,
+                   help="one pass over the input sets is at least this many L2s")
+    p.add_argument("--samples", type=int, default=50, help="samples per median (>= 50)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
+    p.add_argument("--seed", type=int, default=20240601)
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args(argv)
+    args.tokens = [int(t) for t in args.tokens.split(",") if t]
+    args.heads = [int(h) for h in args.heads.split(",") if h]
+    dtypes = {"bfloat16": torch.bfloat16, "float8_e4m3fn": FP8}
+    bad = [c for c in args.caches.split(",") if c not in dtypes]
+    if bad:
+        p.error(f"--caches: {bad} not among {sorted(dtypes)}")
+    args.caches = [dtypes[c] for c in args.caches.split(",")]
+    if args.json is None and os.environ.get("OUT"):
+        args.json = os.path.join(os.environ["OUT"], "gpu_bench_mla.json")
+    return args
+
+
+def eager(q_pe, k_pe, kv_c, positions, slots, cache, inv_freq64, scale):
+    """The same math in PyTorch (and what torch.compile compiles): float64 angles, float32
+    rotation of GPT-J pairs, every slot >= 0 (no mask, no host synchronisation)."""
+    theta = positions.to(torch.float64)[:, None] * inv_freq64[None, :]
     cos = (torch.cos(theta) * SCHEDULE.attention_scaling).float()
     sin = (torch.sin(theta) * SCHEDULE.attention_scaling).float()
 
@@ -61,9 +112,9 @@ def eager(q_pe, k_pe, kv_c, positions, slots, cache, scale):
 
     q_rot32, k_rot32 = rot(q_pe), rot(k_pe)
     q_rot, k_rot = q_rot32.to(q_pe.dtype), k_rot32.to(k_pe.dtype)
-    if cache.dtype == torch.float8_e4m3fn:
+    if cache.dtype == FP8:
         row = torch.cat([kv_c.float(), k_rot32], dim=-1) / scale
-        row = row.clamp(-448, 448).to(torch.float8_e4m3fn)
+        row = row.clamp(-448, 448).to(FP8)
         # index_copy_ has no float8 kernel: the same bytes as uint8
         cache.view(torch.uint8).index_copy_(0, slots.long(), row.view(torch.uint8))
     else:
@@ -71,123 +122,202 @@ def eager(q_pe, k_pe, kv_c, positions, slots, cache, scale):
     return q_rot, k_rot
 
 
-def make_sets(n, T, H, device, gen):
-    sets = []
-    for _ in range(n):
-        q = (torch.rand(T, H, NOPE + R, device=device, generator=gen) * 8 - 4).bfloat16()
-        kv = (torch.rand(T, L + R, device=device, generator=gen) * 8 - 4).bfloat16()
-        pos = torch.randint(0, 2**20, (T,), device=device, generator=gen, dtype=torch.int32)
-        slots = torch.randperm(CACHE_ROWS, device=device, generator=gen)[:T].int()
-        sets.append((q[..., NOPE:], kv[:, L:], kv[:, :L], pos, slots))
-    return sets
+class MlaWorkload:
+    """N input sets for T tokens in one buffer per argument (set i is rows [iT, (i+1)T)), the
+    cache every call writes into, and the cursor: one past the last set handed out."""
+
+    def __init__(self, T, H, cache_dtype, args, gen, l2_bytes, device="cuda"):
+        self.T, self.H, self.device = T, H, device
+        self.P = args.pool_rows
+        if T > self.P:
+            raise SystemExit(f"gpu_bench_mla.py: T = {T} exceeds --pool-rows {self.P}")
+        ce = 1 if cache_dtype == FP8 else 2
+        self.bytes = T * (2 * H * R + 2 * R + L) * 2 + T * (L + R) * ce + 8 * T
+        set_bytes = T * (H * R + R + L) * 2 + 8 * T  # what a call reads (not q's nope part)
+        self.n_sets = CALLS_PER_BATCH * max(1, math.ceil(
+            args.l2_multiple * l2_bytes / set_bytes / CALLS_PER_BATCH))
+        self.cold_bytes = self.n_sets * set_bytes
+        n = self.n_sets * T
+
+        def uniform(*shape):
+            return torch.empty(*shape, dtype=torch.bfloat16, device=device).uniform_(
+                -4, 4, generator=gen)
+
+        q, kv = uniform(n, H, NOPE + R), uniform(n, L + R)
+        self.q_pe, self.k_pe, self.kv_c = q[..., NOPE:], kv[:, L:], kv[:, :L]
+        self.positions = torch.randint(0, 1 << 17, (n,), generator=gen, device=device,
+                                       dtype=torch.int32)
+        self.slots = distinct_slots(self.P, T, self.n_sets, gen, device)
+        self.cache = uniform(self.P, L + R).to(cache_dtype)
+        self.scale = 0.5 if cache_dtype == FP8 else None
+        self.inv_freq64 = torch.tensor(SCHEDULE.inv_freq, dtype=torch.float64, device=device)
+        self.cursor = 0
+
+    def args_of(self, i):
+        self.cursor = i + 1
+        r = slice((i % self.n_sets) * self.T, (i % self.n_sets + 1) * self.T)
+        return self.q_pe[r], self.k_pe[r], self.kv_c[r], self.positions[r], self.slots[r]
+
+    def contender(self, name, compiled=None):
+        """fn(q_pe, k_pe, kv_c, positions, slots) -> (q_pe_rot, k_pe_rot, ...) into the cache."""
+        if name == "ropepool":
+            return lambda *a: ropepool.mla_rope_pool_fused(
+                *a, self.cache, rope_base=10000.0, schedule=SCHEDULE, kv_scale=self.scale)
+        f = eager if name == "eager" else compiled
+        return lambda *a: f(*a, self.cache, self.inv_freq64, self.scale or 1.0)
 
 
-def timed(fn, sets, samples, graph):
-    """Median seconds per call over batches of 20 calls on consecutive input sets."""
-    batches = [[sets[(i + j) % len(sets)] for j in range(20)] for i in range(0, len(sets), 20)]
-    runners = []
-    for b in batches:
-        if graph:
-            g = torch.cuda.CUDAGraph()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for args in b:
-                    fn(*args)
-            torch.cuda.current_stream().wait_stream(s)
-            with torch.cuda.graph(g):
-                for args in b:
-                    fn(*args)
-            runners.append(g.replay)
+def call_and_restore(w, fn, a):
+    """fn(*a), then the cache put back: (q_rot, k_rot, the rows the slots name as written,
+    problems: rows no token names that changed)."""
+    before = w.cache.clone()
+    q_rot, k_rot = fn(*a)[:2]
+    rows = a[4].to(torch.int64)
+    written = w.cache[rows]
+    untouched = torch.ones(w.P, dtype=torch.bool, device=w.cache.device)
+    untouched[rows] = False
+    now, then = w.cache.view(torch.uint8), before.view(torch.uint8)
+    problems = [] if torch.equal(now[untouched], then[untouched]) else [
+        "cache rows no token names changed"]
+    w.cache.copy_(before)
+    return (q_rot, k_rot, written), problems
+
+
+def check(w, contenders):
+    """Each contender ({name: fn}) on input set 0 against independent results: (problems,
+    notes), every problem and note prefixed with the contender's name."""
+    a = q_pe, k_pe, kv_c, _, _ = w.args_of(0)
+    (eq, ek, erows), _ = call_and_restore(w, w.contender("eager"), a)
+    if w.scale is None:
+        kv_want = kv_c.contiguous().view(torch.uint8)
+    else:
+        kv_want = (kv_c.float() / w.scale).clamp(-448, 448).to(FP8).view(torch.uint8)
+    problems, notes = [], []
+    for name, fn in contenders.items():
+        (q, k, rows), p = call_and_restore(w, fn, a)
+        if q.shape != eq.shape or k.shape != ek.shape:
+            p.append(f"q_pe_rot/k_pe_rot shapes {list(q.shape)}/{list(k.shape)}, "
+                     f"eager's {list(eq.shape)}/{list(ek.shape)}")
         else:
-            runners.append(lambda b=b: [fn(*args) for args in b])
-    for r in runners:
-        r()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for i in range(samples):
-        torch.cuda._sleep(100_000)  # the GPU's work is timed, not the host's enqueueing
-        start.record()
-        runners[i % len(runners)]()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3 / 20)
-    return statistics.median(times)
+            p += rotation_problems("q_pe_rot vs eager", q, eq, q_pe, interleaved=True)
+            p += rotation_problems("k_pe_rot vs eager", k, ek, k_pe, interleaved=True)
+            # Inductor may contract into FMAs: informational (the bound above is the check)
+            if name == "compile" and not (torch.equal(q, eq) and torch.equal(k, ek)):
+                d = max((q.float() - eq.float()).abs().max().item(),
+                        (k.float() - ek.float()).abs().max().item())
+                notes.append(f"{name}: q_pe_rot/k_pe_rot differ from eager's by up to {d:.3g}")
+        if not torch.equal(rows[:, :L].contiguous().view(torch.uint8), kv_want):
+            p.append("cache rows' kv_c part is not " +
+                     ("kv_c bit for bit" if w.scale is None else "e4m3(kv_c / kv_scale)"))
+        if w.scale is None:
+            if not torch.equal(rows[:, L:], k.reshape(-1, R)):
+                p.append("cache rows' k_pe part is not the call's k_pe_rot bit for bit")
+        elif not e4m3_close(rows[:, L:], erows[:, L:]):
+            p.append("fp8 cache rows' k_pe part is not within one e4m3 step of eager's")
+        problems += [f"{name}: {x}" for x in p]
+    return problems, notes
 
 
-def copy_time(nbytes, samples):
-    src = torch.empty(max(nbytes // 2, 16), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return timed(lambda: dst.copy_(src), [()] * 20, samples, graph=False)
+def bench_row(T, H, cache_dtype, args, gen, l2, copy_bps, compiled):
+    """One row: checks, then every contender in the three modes (torch.compile's `compiled`
+    unless it is None; the row has a compile_error where it failed)."""
+    w = MlaWorkload(T, H, cache_dtype, args, gen, l2)
+    row = dict(heads=H, cache=str(cache_dtype).removeprefix("torch."), T=T, bytes=w.bytes,
+               input_sets=w.n_sets, cold_MB=w.cold_bytes / 1e6)
+    contenders = {name: w.contender(name) for name in ("ropepool", "eager")}
+    row["problems"], row["notes"] = check(w, contenders)
+    if compiled is not None:
+        fn = w.contender("compile", compiled)
+        t0 = time.perf_counter()
+        try:  # the first call (re)compiles, outside the timings
+            problems, notes = check(w, {"compile": fn})
+            warm_up(fn, w, start=w.cursor)
+        except Exception as e:  # noqa: BLE001 (Inductor on the fp8 view / index_copy_)
+            row["compile_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            print(f"torch.compile contender dropped: {row['compile_error']}", flush=True)
+            torch.cuda.synchronize()
+        else:
+            row["compile_warmup_s"] = time.perf_counter() - t0
+            row["problems"] += problems
+            row["notes"] += notes
+            contenders["compile"] = fn
+    for name, fn in contenders.items():
+        warm_up(fn, w, start=w.cursor)
+        t, row[f"{name}_call_host_bound"] = time_per_call(fn, w, args.samples, start=w.cursor)
+        row[f"{name}_call_us"] = t * 1e6
+        t, row[f"{name}_b2b_host_bound"] = time_back_to_back(fn, w, args.samples, start=w.cursor)
+        row[f"{name}_b2b_us"] = t * 1e6
+        t, row[f"{name}_graph_host_bound"], row["graphs"] = time_graph(fn, w, args.samples,
+                                                                       start=w.cursor)
+        row[f"{name}_graph_us"] = t * 1e6
+    for mode in ("call", "b2b"):
+        row[f"ropepool_{mode}_pct_copy"] = 100 * w.bytes / (row[f"ropepool_{mode}_us"] * 1e-6) / copy_bps
+    row["copy_same_bytes_us"] = copy_seconds(max(16, w.bytes // 2), reps=20, warmup=3) * 1e6
+    del w, contenders
+    torch.cuda.empty_cache()
+    return row
 
 
-def check(T, H, cache_dtype, device, gen):
-    (q_pe, k_pe, kv_c, pos, slots), = make_sets(1, T, H, device, gen)
-    c1 = torch.zeros(CACHE_ROWS, L + R, dtype=torch.bfloat16, device=device).to(cache_dtype)
-    c2 = c1.clone()
-    scale = 0.5 if cache_dtype == torch.float8_e4m3fn else None
-    q1, k1, _ = ropepool.mla_rope_pool_fused(q_pe, k_pe, kv_c, pos, slots, c1, rope_base=10000.0,
-                                             schedule=SCHEDULE, kv_scale=scale)
-    q2, k2 = eager(q_pe, k_pe, kv_c, pos, slots, c2, scale or 1.0)
-    torch.testing.assert_close(q1.float(), q2.float(), atol=2**-6, rtol=2**-7)
-    torch.testing.assert_close(k1.float(), k2.float(), atol=2**-6, rtol=2**-7)
-    rows1, rows2 = c1[slots.long()], c2[slots.long()]
-    assert torch.equal(rows1[:, :L].view(torch.uint8), rows2[:, :L].view(torch.uint8)), "kv_c rows"
-    # k_pe_rot in the rows: as close as q/k above (bf16), or one e4m3 step (fp8); a byte-wise
-    # comparison would fail where a*cos - b*sin cancels and the two float32 sin/cos differ
-    tol = dict(atol=2**-9, rtol=2**-3) if cache_dtype == torch.float8_e4m3fn \
-        else dict(atol=2**-6, rtol=2**-7)
-    torch.testing.assert_close(rows1[:, L:].float(), rows2[:, L:].float(), **tol)
+def main(argv=None):
+    args = parse_args(argv)
+    props = open_device(args.samples, "gpu_bench_mla.py")
+    if not ropepool.cuda_backend:
+        sys.exit("gpu_bench_mla.py: ropepool was built without the CUDA backend")
+    l2 = props.L2_cache_size
+    copy_bps = copy_ceiling()
+    compiled = None if args.no_compile else torch.compile(eager, fullgraph=True, dynamic=True)
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    rows, compile_errors = [], {}  # cache dtype: why torch.compile failed (not retried)
+    for H in args.heads:
+        for cache_dtype in args.caches:
+            for T in args.tokens:
+                cache = str(cache_dtype).removeprefix("torch.")
+                row = bench_row(T, H, cache_dtype, args, gen, l2, copy_bps,
+                                None if cache in compile_errors else compiled)
+                if "compile_error" in row:
+                    compile_errors[cache] = f"H={H} T={T}: {row['compile_error']}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    problems = [f"H={r['heads']} {r['cache']} T={r['T']}: {p}" for r in rows for p in r["problems"]]
+    result = dict(device=props.name, torch=torch.__version__, copy_GBps=copy_bps / 1e9,
+                  l2_bytes=l2, pool_rows=args.pool_rows, samples=args.samples,
+                  l2_multiple=args.l2_multiple, rows=rows, problems=problems,
+                  compile_errors=compile_errors)
+    return finish(result, args.json, print_table)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", default="1,16,256,4096,16384")
-    ap.add_argument("--heads", default="128,16")
-    ap.add_argument("--samples", type=int, default=50)
-    ap.add_argument("--json")
-    a = ap.parse_args()
-    gen = torch.Generator(device="cuda").manual_seed(20240601)
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    print(f"ropepool MLA GPU bench: {torch.cuda.get_device_name(0)}, L2 {l2 >> 20} MiB")
-    rows = []
-    for H in map(int, a.heads.split(",")):
-        for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            for T in map(int, a.tokens.split(",")):
-                check(T, H, cache_dtype, "cuda", gen)
-                ce = 1 if cache_dtype == torch.float8_e4m3fn else 2
-                nbytes = T * (2 * H * R + 2 * R + L) * 2 + T * (L + R) * ce + 8 * T
-                set_bytes = T * (H * (NOPE + R) + L + R) * 2
-                n = max(20, min(400, -(-4 * l2 // max(set_bytes, 1))))
-                sets = make_sets(n, T, H, "cuda", gen)
-                cache = torch.zeros(CACHE_ROWS, L + R, dtype=torch.bfloat16, device="cuda").to(cache_dtype)
-                scale = 0.5 if ce == 1 else None
-
-                def rp(q_pe, k_pe, kv_c, pos, slots, cache=cache, scale=scale):
-                    ropepool.mla_rope_pool_fused(q_pe, k_pe, kv_c, pos, slots, cache,
-                                                 rope_base=10000.0, schedule=SCHEDULE,
-                                                 kv_scale=scale)
-
-                def ea(q_pe, k_pe, kv_c, pos, slots, cache=cache, scale=scale):
-                    eager(q_pe, k_pe, kv_c, pos, slots, cache, scale or 1.0)
-
-                copy = copy_time(nbytes, a.samples)
-                r = dict(heads=H, cache=str(cache_dtype).removeprefix("torch."), tokens=T,
-                         bytes=nbytes, copy_us=copy * 1e6)
-                for name, fn in (("ropepool", rp), ("eager", ea)):
-                    for mode in ("b2b", "graph"):
-                        t = timed(fn, sets, a.samples, graph=mode == "graph")
-                        r[f"{name}_{mode}_us"] = t * 1e6
-                rows.append(r)
-                print(f"H={H:4d} {r['cache']:>14} T={T:6d}: ropepool b2b "
-                      f"{r['ropepool_b2b_us']:8.2f} us ({nbytes / r['ropepool_b2b_us'] * 1e-3:7.1f} GB/s, "
-                      f"{100 * copy * 1e6 / r['ropepool_b2b_us']:5.1f}% of copy), graph "
-                      f"{r['ropepool_graph_us']:8.2f} us; eager b2b {r['eager_b2b_us']:9.2f} us; "
-                      f"copy {copy * 1e6:8.2f} us", flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+def print_table(r):
+    rows = r["rows"]
+    print()
+    print(f"ropepool GPU bench, MLA (SPEC §8): {r['device']}, DeepSeek-V3 shape (q_pe [T, H, 64] "
+          f"of q [T, H, 192], k_pe [T, 64], kv_c [T, 512]); cache {r['pool_rows']} x 576 rows; "
+          f"copy ceiling {r['copy_GBps']:.0f} GB/s (read + write)")
+    print(f"GPU us per call, cold inputs (> {r['l2_multiple']:g}x L2), random slots, median of "
+          f"{r['samples']}; call = one call between events, b2b = batches of 20, graph = graphs "
+          "of 20 calls; %copy = ropepool's share of the copy ceiling")
+    for cache, why in r["compile_errors"].items():
+        print(f"torch.compile dropped for the {cache} cache from {why}")
+    print(f"{'':>17}" + "".join(f" | {n + ' (us)':^26}" for n in CONTENDERS) + " |")
+    print(f"{'H':>4} {'cache':>5} {'T':>6}" + " | ".join(
+        [""] + [" ".join(f"{m:>8}" for m in MODES)] * len(CONTENDERS)) +
+        f" | {'%copy call':>10} {'%copy b2b':>9}  check")
+    for x in rows:
+        line = f"{x['heads']:>4} {SHORT[x['cache']]:>5} {x['T']:>6}"
+        for n in CONTENDERS:
+            line += " | " + " ".join(
+                f"{x[f'{n}_{m}_us']:>8.2f}" if f"{n}_{m}_us" in x else f"{'-':>8}" for m in MODES)
+        line += (f" | {x['ropepool_call_pct_copy']:>10.1f} {x['ropepool_b2b_pct_copy']:>9.1f}  "
+                 f"{'; '.join(x['problems']) or 'ok'}")
+        print(line)
+    for x in rows:
+        for note in x["notes"]:
+            print(f"H={x['heads']} {x['cache']} T={x['T']} note: {note}")
+    host_bound = [f"H={x['heads']} {x['cache']} T={x['T']} {k[:-len('_host_bound')]}: {x[k]}"
+                  for x in rows for k in x if k.endswith("_host_bound") and x[k]]
+    if host_bound:
+        print("samples where the host fell behind the GPU (they include host time): " +
+              ", ".join(host_bound))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
