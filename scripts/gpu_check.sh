@@ -14,6 +14,7 @@
 #   GPU_CHECK_BENCHES="py mla" ...  # which benchmarks step 6 runs (default: cpp py mla), so
 #                                   # that the long ones can go in separate calls
 #   GPU_BENCH_ARGS="--tokens 1 --cache-tokens ''" ...  # extra arguments of bench/gpu_bench.py
+#   GPU_BENCH_MLA_ARGS="--heads 128" ...               # and of bench/gpu_bench_mla.py
 #
 # Expects: nvcc, python3 with torch (CUDA), nanobind, scikit-build-core, pytest, cmake and
 # ninja already installed; downloads nothing (pip runs with --no-build-isolation --no-deps).
@@ -38,7 +39,7 @@
 #   6. the C++ benchmark (bench/cuda: the kernel alone, with and without PDL) and
 #      bench/gpu_bench.py (ropepool vs PyTorch eager, torch.compile, copy; then its SPEC §6
 #      cache-format and SPEC §7 fusion sections at their default token counts), and
-#      bench/gpu_bench_mla.py (mla_rope_pool_fused vs PyTorch eager, copy)
+#      bench/gpu_bench_mla.py (mla_rope_pool_fused vs PyTorch eager, torch.compile, copy)
 # Logs go to $OUT (or ./gpu-check-logs): at most 8 files. A summary table is printed last.
 # Exit status: 0 when every step passed.
 set -uo pipefail
@@ -237,8 +238,11 @@ else
     [[ $BENCHES == *" py "* ]] && run_step "bench/gpu_bench.py" "$LOGS/bench.log" 540 \
       bash -c "cd /tmp && OUT='$LOGS' ROPEPOOL_BENCH_WATCHDOG_S=${ROPEPOOL_BENCH_WATCHDOG_S:-480} \
         $PY '$ROOT/bench/gpu_bench.py' --json '$LOGS/gpu_bench.json' ${GPU_BENCH_ARGS:-}"
+    # SPEC §8 (MLA): its full results are the JSON lines in bench.log, no file of their own
+    # (8 log files at most).
     [[ $BENCHES == *" mla "* ]] && run_step "bench/gpu_bench_mla.py" "$LOGS/bench.log" 360 \
-      bash -c "cd /tmp && $PY '$ROOT/bench/gpu_bench_mla.py'"  # figures in bench.log (8 log files at most)
+      bash -c "cd /tmp && ROPEPOOL_BENCH_WATCHDOG_S=${ROPEPOOL_BENCH_MLA_WATCHDOG_S:-330} \
+        $PY '$ROOT/bench/gpu_bench_mla.py' --json '' ${GPU_BENCH_MLA_ARGS:-}"
   fi
 fi
 
@@ -268,7 +272,8 @@ for st in "${STATUS[@]}"; do case "$st" in PASS|SKIPPED) ;; *) FAILED=1 ;; esac;
   echo "ropepool gpu_check: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1), $((SECONDS - START)) s total, logs in $LOGS"
   [ -f "$LOGS/selftest.log" ] && sed -n '/^=== CUDA C++ bench/,$p' "$LOGS/selftest.log" |
     grep -E '^(device-to-device|graph replay|host time| +(T|[0-9]+) )'
-  [ -f "$LOGS/bench.log" ] && sed -n '/^ropepool GPU bench/,$p' "$LOGS/bench.log"
+  # from the first table on (gpu_bench.py's, else gpu_bench_mla.py's), without the JSON lines
+  [ -f "$LOGS/bench.log" ] && sed -n '/^ropepool GPU bench/,$p' "$LOGS/bench.log" | grep -v '^{'
   echo
   printf '%-52s %-14s %6s  %s\n' "step" "status" "sec" "note"
   for i in "${!NAMES[@]}"; do
