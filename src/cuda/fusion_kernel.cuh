@@ -31,16 +31,6 @@ namespace ropepool::cuda {
 constexpr int kFusionWarps = 4;          ///< warps per CTA
 constexpr int kFusionMaxHeadDim = 2048;  ///< a head in shared memory per warp (8 KiB)
 
-/// What SPEC §7 adds to KernelParams (a second kernel parameter).
-struct FusionParams {
-  const void* q_norm_weight;  ///< [head_dim] contiguous, or nullptr
-  const void* k_norm_weight;
-  bool q_norm_float32, k_norm_float32;  ///< the weight's dtype: float32, else q's dtype
-  float norm_eps;
-  bool norm_gemma;
-  bool interleaved;  ///< GPT-J pairs (the main kernel has it as a template argument)
-};
-
 /// Element `bits` of type E as float32. float16 NaNs keep their sign (the conversion may
 /// return one canonical NaN), so a NaN quantised to e4m3 keeps it, as on the host.
 template <class E>

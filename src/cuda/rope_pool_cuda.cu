@@ -332,9 +332,10 @@ KernelParams<kFreqCap, true> make_pool_params(const RopePoolProblem& p, const La
   return k;
 }
 
-template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved = false, int kPool = 0>
+/// One launch of the main kernel, or (norm given) of its SPEC §7 norm variant.
+template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool, bool kNorm>
 void launch(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRecord* record,
-            cudaStream_t stream) {
+            cudaStream_t stream, const cuda::FusionParams* norm) {
   KernelParams<kFreqCap, kPool != 0> params;
   if constexpr (kPool != 0) params = make_pool_params<kFreqCap>(p, plan, record);
   else params = make_params<kFreqCap>(p, plan, record);
@@ -350,60 +351,105 @@ void launch(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRecord* r
     launch.attrs = &attr;
     launch.numAttrs = 1;
   }
+  if constexpr (kNorm) {
+    check(cudaLaunchKernelEx(&launch,
+                             cuda::rope_pool_norm_kernel<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool>,
+                             params, *norm),
+          "cudaLaunchKernelEx (rope_pool_norm_kernel)");
+    return;
+  }
   check(cudaLaunchKernelEx(&launch,
                            cuda::rope_pool_token_kernel<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool>,
                            params),
         "cudaLaunchKernelEx (rope_pool_token_kernel)");
 }
 
-template <class E, int kPool>
+/// kNorm: the SPEC §7 norm variant, compiled for fewer geometries (head_dim 128 tuned, the
+/// runtime-head_dim vector kernels for the rest); the planner never sends it the scalar path.
+template <class E, int kPool, bool kNorm>
 void launch_dtype(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRecord* record,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, const cuda::FusionParams* norm) {
   constexpr int kVec = 16 / E::kBytes;
   constexpr int kCap = cuda::kMaxHalfRotary;
-  switch (plan.path) {
-    case Path::Tuned:
-      switch (p.head_dim) {
-        case 64: return launch<E, kVec, 64, 32, false, kPool>(p, plan, record, stream);
-        case 96: return launch<E, kVec, 96, 48, false, kPool>(p, plan, record, stream);
-        case 128: return launch<E, kVec, 128, 64, false, kPool>(p, plan, record, stream);
-        case 256: return launch<E, kVec, 256, 128, false, kPool>(p, plan, record, stream);
-        default: break;
-      }
-      throw BackendError("rope_pool_fused: no tuned CUDA kernel for head_dim " +
-                         std::to_string(p.head_dim) + " (tuned: 64, 96, 128, 256)");
-    // GPT-J pairs are rare enough to take only the runtime-head_dim kernels.
-    case Path::Vector:
-      return p.interleaved ? launch<E, kVec, 0, kCap, true, kPool>(p, plan, record, stream)
-                           : launch<E, kVec, 0, kCap, false, kPool>(p, plan, record, stream);
-    case Path::Scalar:
-      return p.interleaved ? launch<E, 1, 0, kCap, true, kPool>(p, plan, record, stream)
-                           : launch<E, 1, 0, kCap, false, kPool>(p, plan, record, stream);
+  if constexpr (kNorm) {
+    if (plan.path == Path::Scalar)
+      throw BackendError("rope_pool_fused: the CUDA norm kernel has no scalar path");
+    if (plan.path == Path::Tuned && p.head_dim == 128)
+      return launch<E, kVec, 128, 64, false, kPool, true>(p, plan, record, stream, norm);
+    return p.interleaved ? launch<E, kVec, 0, kCap, true, kPool, true>(p, plan, record, stream, norm)
+                         : launch<E, kVec, 0, kCap, false, kPool, true>(p, plan, record, stream, norm);
+  } else {
+    switch (plan.path) {
+      case Path::Tuned:
+        switch (p.head_dim) {
+          case 64: return launch<E, kVec, 64, 32, false, kPool, false>(p, plan, record, stream, nullptr);
+          case 96: return launch<E, kVec, 96, 48, false, kPool, false>(p, plan, record, stream, nullptr);
+          case 128: return launch<E, kVec, 128, 64, false, kPool, false>(p, plan, record, stream, nullptr);
+          case 256: return launch<E, kVec, 256, 128, false, kPool, false>(p, plan, record, stream, nullptr);
+          default: break;
+        }
+        throw BackendError("rope_pool_fused: no tuned CUDA kernel for head_dim " +
+                           std::to_string(p.head_dim) + " (tuned: 64, 96, 128, 256)");
+      // GPT-J pairs are rare enough to take only the runtime-head_dim kernels.
+      case Path::Vector:
+        return p.interleaved ? launch<E, kVec, 0, kCap, true, kPool, false>(p, plan, record, stream, nullptr)
+                             : launch<E, kVec, 0, kCap, false, kPool, false>(p, plan, record, stream, nullptr);
+      case Path::Scalar:
+        return p.interleaved ? launch<E, 1, 0, kCap, true, kPool, false>(p, plan, record, stream, nullptr)
+                             : launch<E, 1, 0, kCap, false, kPool, false>(p, plan, record, stream, nullptr);
+    }
   }
 }
 
 /// The pool variant as a compile-time constant: the seed's kernels (0), paged pools in q's
-/// dtype, fp8 pools, and fp8 q_out with either pool.
-template <class E>
+/// dtype, fp8 pools, and fp8 q_out with either pool. norm: SPEC §7's norm variant.
+template <class E, bool kNorm = false>
 void launch_variant(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRecord* record,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, const cuda::FusionParams* norm = nullptr) {
   using namespace cuda;
   switch (plan.pool_variant) {
-    case 0: return launch_dtype<E, 0>(p, plan, record, stream);
-    case kPoolPaged: return launch_dtype<E, kPoolPaged>(p, plan, record, stream);
-    case kPoolPaged | kPoolFp8: return launch_dtype<E, kPoolPaged | kPoolFp8>(p, plan, record, stream);
-    case kPoolPaged | kQOutFp8: return launch_dtype<E, kPoolPaged | kQOutFp8>(p, plan, record, stream);
+    case 0: return launch_dtype<E, 0, kNorm>(p, plan, record, stream, norm);
+    case kPoolPaged: return launch_dtype<E, kPoolPaged, kNorm>(p, plan, record, stream, norm);
+    case kPoolPaged | kPoolFp8:
+      return launch_dtype<E, kPoolPaged | kPoolFp8, kNorm>(p, plan, record, stream, norm);
+    case kPoolPaged | kQOutFp8:
+      return launch_dtype<E, kPoolPaged | kQOutFp8, kNorm>(p, plan, record, stream, norm);
     case kPoolPaged | kPoolFp8 | kQOutFp8:
-      return launch_dtype<E, kPoolPaged | kPoolFp8 | kQOutFp8>(p, plan, record, stream);
+      return launch_dtype<E, kPoolPaged | kPoolFp8 | kQOutFp8, kNorm>(p, plan, record, stream, norm);
     default: break;
   }
   throw BackendError("rope_pool_fused: no CUDA kernel for pool variant " + std::to_string(plan.pool_variant));
 }
 
-// SPEC §7 QK norm: rope_pool_fusion_kernel (fusion_kernel.cuh), a CTA per token, a warp per
-// head, with every SPEC §6 cache format. (mRoPE alone takes the main kernel.)
+// SPEC §7 QK norm: the main kernel's norm variant where a head's units fill one lane group
+// (norm_in_main_kernel), else the fusion kernels (fusion_kernel.cuh), with every SPEC §6 cache
+// format. (mRoPE alone takes the main kernel.)
 bool has_fusions(const RopePoolProblem& p) {
   return p.q_norm_weight != nullptr || p.k_norm_weight != nullptr;
+}
+
+/// The main kernel normalises (HeadOps::normalise) when the plan is a vector path, a head is a
+/// power-of-two number of units up to 32 (its units then sit in one aligned lane group) and
+/// the weights are 16-byte aligned.
+bool norm_in_main_kernel(const RopePoolProblem& p, const LaunchPlan& plan) {
+  if (plan.path == Path::Scalar) return false;
+  const int64_t vec = plan.vec_elems, D = p.head_dim, R = p.rotary_dim;
+  const int64_t units = (p.interleaved ? R / vec : R / 2 / vec) + (D - R) / vec;
+  const auto aligned16 = [](const void* w) { return w == nullptr || aligned(w, 16); };
+  return units >= 1 && units <= 32 && (units & (units - 1)) == 0 && aligned16(p.q_norm_weight) &&
+         aligned16(p.k_norm_weight);
+}
+
+cuda::FusionParams fusion_params(const RopePoolProblem& p) {
+  cuda::FusionParams f{};
+  f.q_norm_weight = p.q_norm_weight;
+  f.k_norm_weight = p.k_norm_weight;
+  f.q_norm_float32 = p.q_norm_dtype == DType::Float32;
+  f.k_norm_float32 = p.k_norm_dtype == DType::Float32;
+  f.norm_eps = p.norm_eps;
+  f.norm_gemma = p.norm_gemma;
+  f.interleaved = p.interleaved;
+  return f;
 }
 
 /// The vector path of the fusion kernel (fusion_kernel.cuh), where the geometry allows it:
@@ -491,14 +537,7 @@ void launch_fusion(const RopePoolProblem& p, SlotErrorRecord* record, cudaStream
   // row's offsets before them, as in the main kernel.
   plan.shared_bytes = sizeof(float) * size_t(p.rotary_dim + kFusionWarps * p.head_dim) +
                       (plan.pool_variant != 0 ? cuda::kPoolSharedBytes : 0);
-  FusionParams f{};
-  f.q_norm_weight = p.q_norm_weight;
-  f.k_norm_weight = p.k_norm_weight;
-  f.q_norm_float32 = p.q_norm_dtype == DType::Float32;
-  f.k_norm_float32 = p.k_norm_dtype == DType::Float32;
-  f.norm_eps = p.norm_eps;
-  f.norm_gemma = p.norm_gemma;
-  f.interleaved = p.interleaved;
+  const FusionParams f = fusion_params(p);
   switch (plan.pool_variant) {
     case 0: return launch_fusion_variant<E, 0>(p, plan, f, record, stream);
     case kPoolPaged: return launch_fusion_variant<E, kPoolPaged>(p, plan, f, record, stream);
@@ -516,20 +555,6 @@ void launch_fusion(const RopePoolProblem& p, SlotErrorRecord* record, cudaStream
 }
 
 void run(const RopePoolProblem& p, const LaunchConfig& overrides) {
-  if (has_fusions(p)) {
-    const int device = device_of(p.q.data);
-    DeviceGuard guard(device);
-    report_pending_slot_error(device);
-    const auto stream = static_cast<cudaStream_t>(p.stream);
-    if (p.check_slots) check_slots_on_host(p, stream);
-    SlotErrorRecord* record = error_record_for_device(device);
-    switch (p.dtype) {
-      case DType::Float32: return launch_fusion<cuda::F32>(p, record, stream);
-      case DType::Float16: return launch_fusion<cuda::F16>(p, record, stream);
-      case DType::BFloat16: return launch_fusion<cuda::BF16>(p, record, stream);
-      default: throw BackendError("rope_pool_fused: unsupported dtype reached the CUDA backend");
-    }
-  }
   const LaunchPlan plan = cuda_launch::plan_launch(p, overrides);  // validated: asserts only
   const int device = device_of(p.q.data);
   DeviceGuard guard(device);
@@ -537,6 +562,23 @@ void run(const RopePoolProblem& p, const LaunchConfig& overrides) {
   const auto stream = static_cast<cudaStream_t>(p.stream);
   if (p.check_slots) check_slots_on_host(p, stream);
   SlotErrorRecord* record = error_record_for_device(device);
+  if (has_fusions(p) && !norm_in_main_kernel(p, plan)) {
+    switch (p.dtype) {
+      case DType::Float32: return launch_fusion<cuda::F32>(p, record, stream);
+      case DType::Float16: return launch_fusion<cuda::F16>(p, record, stream);
+      case DType::BFloat16: return launch_fusion<cuda::BF16>(p, record, stream);
+      default: throw BackendError("rope_pool_fused: unsupported dtype reached the CUDA backend");
+    }
+  }
+  if (has_fusions(p)) {
+    const cuda::FusionParams f = fusion_params(p);
+    switch (p.dtype) {
+      case DType::Float32: return launch_variant<cuda::F32, true>(p, plan, record, stream, &f);
+      case DType::Float16: return launch_variant<cuda::F16, true>(p, plan, record, stream, &f);
+      case DType::BFloat16: return launch_variant<cuda::BF16, true>(p, plan, record, stream, &f);
+      default: throw BackendError("rope_pool_fused: unsupported dtype reached the CUDA backend");
+    }
+  }
   switch (p.dtype) {
     case DType::Float32: return launch_variant<cuda::F32>(p, plan, record, stream);
     case DType::Float16: return launch_variant<cuda::F16>(p, plan, record, stream);

@@ -70,6 +70,17 @@ struct PoolParams {
   int slots_fit_32_bits;  ///< pool_size <= 2^32 - 1: the page division in 32 bits
 };
 
+/// SPEC §7's QK norm (a second kernel parameter of the kernels that normalise: the main
+/// kernel's norm variant and the fusion kernels of fusion_kernel.cuh).
+struct FusionParams {
+  const void* q_norm_weight;  ///< [head_dim] contiguous, or nullptr
+  const void* k_norm_weight;
+  bool q_norm_float32, k_norm_float32;  ///< the weight's dtype: float32, else q's dtype
+  float norm_eps;
+  bool norm_gemma;
+  bool interleaved;  ///< GPT-J pairs (the main kernel has it as a template argument)
+};
+
 template <int kFreqCap, bool kPoolParams = false>
 struct KernelParams {
   const void* q;
@@ -386,6 +397,84 @@ struct HeadOps {
     if (kTwoAccesses && j < pairs_per_head) Fp8::store(head + first + partner(), Fp8::quantize(fb, scale));
   }
 
+  // ---- SPEC §7's QK norm (rope_pool_norm_kernel) ---------------------------------------------
+  // The planner runs it here only when units_per_head is a power of two <= 32: then a lane's
+  // units are 32 apart at one j, and a head's units sit in an aligned group of units_per_head
+  // lanes (the same stage index in each), so its sum of squares is a butterfly of shuffles
+  // inside the group. The normalised head, rounded to q's dtype as SPEC §7 says, replaces the
+  // raw input in `stage`: the rotation and every store path (fp8 included) then run unchanged.
+
+  /// Vector x (elements first.. of a head) normalised with r and the weights: "rms"
+  /// round(w * round(x * r)), "gemma" round(x * r * (1 + w)), each in float32.
+  __device__ __forceinline__ void norm_vector(Raw& x, int first, const void* w, bool w_float32,
+                                              float r, bool gemma) const {
+    float f[kVec], wv[kVec];
+    IO::to_float(x, f);
+    if (w_float32) {
+      const float* w32 = static_cast<const float*>(w) + first;
+      if constexpr (kVec % 4 == 0) {
+#pragma unroll
+        for (int e = 0; e < kVec; e += 4) {
+          const float4 w4 = __ldg(reinterpret_cast<const float4*>(w32 + e));
+          wv[e] = w4.x, wv[e + 1] = w4.y, wv[e + 2] = w4.z, wv[e + 3] = w4.w;
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) wv[e] = __ldg(w32 + e);
+      }
+    } else {
+      IO::to_float(IO::load(static_cast<const Bits*>(w) + first), wv);
+    }
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) f[e] *= r;
+    if (gemma) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) f[e] *= 1.0f + wv[e];
+    } else {
+      IO::to_float(IO::from_float(f), f);  // the normalised value in q's dtype
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) f[e] *= wv[e];
+    }
+    x = IO::from_float(f);
+  }
+
+  /// Normalises the kUnits units of one item in stage[2i] (and stage[2i + 1], a pair's second
+  /// half), the first at cursor c, heads past `heads` left alone. Every lane takes part in the
+  /// shuffles.
+  template <int kUnits>
+  __device__ __forceinline__ void normalise(Raw (&stage)[kStage], Cursor c, int heads, const void* w,
+                                            bool w_float32, const FusionParams& f) const {
+    float sum[kUnits];
+    Cursor u = c;
+#pragma unroll
+    for (int i = 0; i < kUnits; ++i, advance(u, units)) {
+      float x[kVec], s = 0.f;
+      IO::to_float(stage[2 * i], x);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) s += x[e] * x[e];
+      if (kTwoAccesses && u.j < pairs_per_head) {
+        IO::to_float(stage[2 * i + 1], x);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) s += x[e] * x[e];
+      }
+      sum[i] = u.head < heads ? s : 0.f;
+    }
+    for (int m = units_per_head >> 1; m > 0; m >>= 1) {
+#pragma unroll
+      for (int i = 0; i < kUnits; ++i) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], m);
+    }
+    u = c;
+#pragma unroll
+    for (int i = 0; i < kUnits; ++i, advance(u, units)) {
+      if (u.head >= heads) continue;
+      const float r = 1.0f / sqrtf(sum[i] / float(head_dim) + f.norm_eps);  // IEEE sqrt and division
+      const int first = unit_first(u.j);
+      norm_vector(stage[2 * i], first, w, w_float32, r, f.norm_gemma);
+      if (kTwoAccesses && u.j < pairs_per_head)
+        norm_vector(stage[2 * i + 1], first + partner(), w, w_float32, r, f.norm_gemma);
+    }
+  }
+
   /// Where an item's loads go: one pointer per unit (nullptr past the last head), and which
   /// units are pairs that read a second vector partner() elements further on.
   struct Sources {
@@ -629,9 +718,13 @@ struct ParamTouch {
 // kPool (PoolVariant bits, 0 for the seed's pools) adds, per token: the page/row of its slot
 // (kv warp, once), and the fp8 scales, loaded right after the wait by threads 0-2 and shared,
 // prepared for division (Fp8Divisor), through the first 48 bytes of shared memory.
-template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool = 0>
-__global__ void __launch_bounds__(kMaxWarpsPerCta * 32, kPool == (kPoolPaged | kPoolFp8) ? 3 : 4)
-    rope_pool_token_kernel(const __grid_constant__ KernelParams<kFreqCap, kPool != 0> p) {
+//
+// kNorm (rope_pool_norm_kernel): SPEC §7's QK norm with `norm`, each head normalised in
+// registers right before it is rotated (HeadOps::normalise), where the planner finds a head's
+// units in one lane group; the fusion kernels take the other geometries.
+template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool, bool kNorm>
+__device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, kPool != 0>& p,
+                                                  const FusionParams* norm) {
   using Ops = HeadOps<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool>;
   using Raw = typename Ops::Raw;
   constexpr bool kScales = Ops::kFp8Pool || Ops::kFp8QOut;
@@ -729,16 +822,41 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, kPool == (kPoolPaged | k
           lock = slot_lock(slot);
           lock_row(lock, ops.lane);  // after the loads are in flight
         }
+        if constexpr (kNorm) {
+          if (norm->k_norm_weight != nullptr)
+            ops.template normalise<kKUnits>(stage, ops.k_first(r), p.num_kv_heads, norm->k_norm_weight,
+                                            norm->k_norm_float32, *norm);
+        }
         if constexpr (Ops::kFp8Pool) ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, divisors);
         else ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage);
       }
       if (lock != nullptr) unlock_row(lock, ops.lane);
     } else {
       if (!prefetched) ops.load_q(ops.q_sources(t, item - 1), stage);
+      if constexpr (kNorm) {
+        if (norm->q_norm_weight != nullptr)
+          ops.template normalise<kQUnits>(stage, ops.q_first(item - 1), p.num_qo_heads, norm->q_norm_weight,
+                                          norm->q_norm_float32, *norm);
+      }
       if constexpr (Ops::kFp8QOut) ops.finish_q(t, item - 1, cos_row, sin_row, stage, divisors + 2);
       else ops.finish_q(t, item - 1, cos_row, sin_row, stage);
     }
   }
+}
+
+template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool = 0>
+__global__ void __launch_bounds__(kMaxWarpsPerCta * 32, kPool == (kPoolPaged | kPoolFp8) ? 3 : 4)
+    rope_pool_token_kernel(const __grid_constant__ KernelParams<kFreqCap, kPool != 0> p) {
+  token_kernel_body<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool, false>(p, nullptr);
+}
+
+/// The main kernel with SPEC §7's QK norm (the planner's geometry: see HeadOps::normalise), at
+/// most 80 registers (256 x 3): at 64 the sums and weights of a lane's units spilled.
+template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool = 0>
+__global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 3)
+    rope_pool_norm_kernel(const __grid_constant__ KernelParams<kFreqCap, kPool != 0> p,
+                          const __grid_constant__ FusionParams norm) {
+  token_kernel_body<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool, true>(p, &norm);
 }
 
 }  // namespace ropepool::cuda
