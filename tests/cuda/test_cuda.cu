@@ -563,7 +563,8 @@ void test_graph(Rng& rng) {
   cudaStreamDestroy(s);
 }
 
-// SPEC §7 (the fusion kernel, fusion_kernel.cuh): QK norm ("rms" with q-dtype weights,
+// SPEC §7 (the main kernel's norm variant, or the fusion kernels of fusion_kernel.cuh for the
+// other geometries): QK norm ("rms" with q-dtype weights,
 // "gemma" with float32 ones) and mRoPE (Qwen2-VL sections, Qwen3-VL interleaved), alone and
 // combined, against the float64 reference (with the one midpoint ulp §7 allows), every pool
 // row bit for bit; text-only mRoPE positions give the plain call's bits.
@@ -1201,8 +1202,8 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   }
   ++g_pool_cases;
   expect(bad == 0, what + ": " + std::to_string(bad) + " bad; first: " + first);
-  if (pc.norm)  // the fusion kernel (its own launch shape), with the same pool variants
-    std::printf("  %-4s fusion v%d     %s\n", bad == 0 ? "ok" : "FAIL", variant, what.c_str());
+  if (pc.norm)  // a norm kernel (the main kernel's variant or a fusion kernel), same pool variants
+    std::printf("  %-4s norm   v%d     %s\n", bad == 0 ? "ok" : "FAIL", variant, what.c_str());
   else
     std::printf("  %-4s %-6s v%d %dw  %s\n", bad == 0 ? "ok" : "FAIL", path_name(path), variant, warps, what.c_str());
 }
