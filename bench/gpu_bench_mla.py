@@ -265,11 +265,16 @@ def main(argv=None):
         sys.exit("gpu_bench_mla.py: ropepool was built without the CUDA backend")
     l2 = props.L2_cache_size
     copy_bps = copy_ceiling()
-    compiled = None if args.no_compile else torch.compile(eager, fullgraph=True, dynamic=True)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     rows, compile_errors = [], {}  # cache dtype: why torch.compile failed (not retried)
     for H in args.heads:
         for cache_dtype in args.caches:
+            # A fresh compile per shape and cache dtype: one function over every (H, dtype, T)
+            # reaches Dynamo's recompile limit, which fullgraph=True turns into a failure.
+            compiled = None
+            if not args.no_compile:
+                torch._dynamo.reset()
+                compiled = torch.compile(eager, fullgraph=True, dynamic=True)
             for T in args.tokens:
                 cache = str(cache_dtype).removeprefix("torch.")
                 row = bench_row(T, H, cache_dtype, args, gen, l2, copy_bps,
