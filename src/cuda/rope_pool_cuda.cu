@@ -428,7 +428,7 @@ bool has_fusions(const RopePoolProblem& p) {
   return p.q_norm_weight != nullptr || p.k_norm_weight != nullptr;
 }
 
-/// The main kernel normalises (HeadOps::normalise) when the plan is a vector path, a head is a
+/// The main kernel normalises (HeadOps::norm_scales) when the plan is a vector path, a head is a
 /// power-of-two number of units up to 32 (its units then sit in one aligned lane group) and
 /// the weights are 16-byte aligned.
 bool norm_in_main_kernel(const RopePoolProblem& p, const LaunchPlan& plan) {

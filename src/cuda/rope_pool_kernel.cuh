@@ -401,8 +401,9 @@ struct HeadOps {
   // The planner runs it here only when units_per_head is a power of two <= 32: then a lane's
   // units are 32 apart at one j, and a head's units sit in an aligned group of units_per_head
   // lanes (the same stage index in each), so its sum of squares is a butterfly of shuffles
-  // inside the group. The normalised head, rounded to q's dtype as SPEC §7 says, replaces the
-  // raw input in `stage`: the rotation and every store path (fp8 included) then run unchanged.
+  // inside the group (norm_scales). finish_q / finish_kv then normalise each unit right before
+  // rotating it (norm_unit), rounded to q's dtype as SPEC §7 says, so the rotation and every
+  // store path (fp8 included) run unchanged.
 
   /// Vector x (elements first.. of a head) normalised with r and the weights: "rms"
   /// round(w * round(x * r)), "gemma" round(x * r * (1 + w)), each in float32.
@@ -438,12 +439,23 @@ struct HeadOps {
     x = IO::from_float(f);
   }
 
-  /// Normalises the kUnits units of one item in stage[2i] (and stage[2i + 1], a pair's second
-  /// half), the first at cursor c, heads past `heads` left alone. Every lane takes part in the
-  /// shuffles.
+  /// What a norm leaves for finish_q / finish_kv: r = rsqrt(mean(x^2) + eps) of each unit's
+  /// head, and the weights.
+  struct NormScales {
+    float r[kQUnits];
+    const void* w;
+    bool w_float32, gemma;
+  };
+
+  /// The r of the kUnits units of one item in stage[2i] (and stage[2i + 1], a pair's second
+  /// half), the first at cursor c; heads past `heads` take no part in the sums. Every lane
+  /// takes part in the shuffles.
   template <int kUnits>
-  __device__ __forceinline__ void normalise(Raw (&stage)[kStage], Cursor c, int heads, const void* w,
-                                            bool w_float32, const FusionParams& f) const {
+  __device__ __forceinline__ NormScales norm_scales(const Raw (&stage)[kStage], Cursor c, int heads,
+                                                    const void* w, bool w_float32,
+                                                    const FusionParams& f) const {
+    static_assert(kUnits <= kQUnits, "NormScales holds a q chunk's units");
+    NormScales n{{}, w, w_float32, f.norm_gemma};
     float sum[kUnits];
     Cursor u = c;
 #pragma unroll
@@ -463,16 +475,18 @@ struct HeadOps {
 #pragma unroll
       for (int i = 0; i < kUnits; ++i) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], m);
     }
-    u = c;
 #pragma unroll
-    for (int i = 0; i < kUnits; ++i, advance(u, units)) {
-      if (u.head >= heads) continue;
-      const float r = 1.0f / sqrtf(sum[i] / float(head_dim) + f.norm_eps);  // IEEE sqrt and division
-      const int first = unit_first(u.j);
-      norm_vector(stage[2 * i], first, w, w_float32, r, f.norm_gemma);
-      if (kTwoAccesses && u.j < pairs_per_head)
-        norm_vector(stage[2 * i + 1], first + partner(), w, w_float32, r, f.norm_gemma);
-    }
+    for (int i = 0; i < kUnits; ++i)
+      n.r[i] = 1.0f / sqrtf(sum[i] / float(head_dim) + f.norm_eps);  // IEEE sqrt and division
+    return n;
+  }
+
+  /// Unit i of an item (stage pair a, b at index j of its head) normalised in place, right
+  /// before finish_q / finish_kv rotates it.
+  __device__ __forceinline__ void norm_unit(Raw& a, Raw& b, int j, const NormScales& n, int i) const {
+    const int first = unit_first(j);
+    norm_vector(a, first, n.w, n.w_float32, n.r[i], n.gemma);
+    if (kTwoAccesses && j < pairs_per_head) norm_vector(b, first + partner(), n.w, n.w_float32, n.r[i], n.gemma);
   }
 
   /// Where an item's loads go: one pointer per unit (nullptr past the last head), and which
@@ -519,11 +533,13 @@ struct HeadOps {
 
   __device__ __forceinline__ void finish_q(int64_t t, int chunk, const float* cos_row,
                                            const float* sin_row, Raw (&stage)[kStage],
-                                           const Fp8Divisor* q_scale = nullptr) const {
+                                           const Fp8Divisor* q_scale = nullptr,
+                                           const NormScales* norm = nullptr) const {
     Cursor c = q_first(chunk);
 #pragma unroll
     for (int i = 0; i < kQUnits; ++i, advance(c, units)) {
       if (c.head >= p.num_qo_heads) continue;
+      if (norm != nullptr) norm_unit(stage[2 * i], stage[2 * i + 1], c.j, *norm, i);
       if constexpr (kFp8QOut) {
         // Both halves at once here: one half at a time spills more in the q chunks.
         float fa[kVec], fb[kVec];
@@ -605,11 +621,13 @@ struct HeadOps {
   __device__ __forceinline__ void finish_kv(int64_t t, const float* cos_row, const float* sin_row,
                                             int round, const PoolRow& row, bool to_pool,
                                             Raw (&stage)[kStage],
-                                            const Fp8Divisor* kv_scales = nullptr) const {
+                                            const Fp8Divisor* kv_scales = nullptr,
+                                            const NormScales* norm = nullptr) const {
     Cursor c = k_first(round);
 #pragma unroll
     for (int i = 0; i < kKUnits; ++i, advance(c, units)) {
       if (c.head >= p.num_kv_heads) continue;
+      if (norm != nullptr) norm_unit(stage[2 * i], stage[2 * i + 1], c.j, *norm, i);
       if constexpr (kFp8Pool) {
         // k_pool from the rotated float32 values, before they are rounded to q's dtype.
         float fa[kVec], fb[kVec];
@@ -720,7 +738,7 @@ struct ParamTouch {
 // prepared for division (Fp8Divisor), through the first 48 bytes of shared memory.
 //
 // kNorm (rope_pool_norm_kernel): SPEC §7's QK norm with `norm`, each head normalised in
-// registers right before it is rotated (HeadOps::normalise), where the planner finds a head's
+// registers right before it is rotated (HeadOps::norm_scales, norm_unit), where the planner finds a head's
 // units in one lane group; the fusion kernels take the other geometries.
 template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool, bool kNorm>
 __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, kPool != 0>& p,
@@ -823,23 +841,35 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
           lock_row(lock, ops.lane);  // after the loads are in flight
         }
         if constexpr (kNorm) {
-          if (norm->k_norm_weight != nullptr)
-            ops.template normalise<kKUnits>(stage, ops.k_first(r), p.num_kv_heads, norm->k_norm_weight,
-                                            norm->k_norm_float32, *norm);
+          typename Ops::NormScales scales;
+          const bool normed = norm->k_norm_weight != nullptr;
+          if (normed)
+            scales = ops.template norm_scales<kKUnits>(stage, ops.k_first(r), p.num_kv_heads,
+                                                       norm->k_norm_weight, norm->k_norm_float32, *norm);
+          ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, Ops::kFp8Pool ? divisors : nullptr,
+                        normed ? &scales : nullptr);
+        } else if constexpr (Ops::kFp8Pool) {
+          ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, divisors);
+        } else {
+          ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage);
         }
-        if constexpr (Ops::kFp8Pool) ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, divisors);
-        else ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage);
       }
       if (lock != nullptr) unlock_row(lock, ops.lane);
     } else {
       if (!prefetched) ops.load_q(ops.q_sources(t, item - 1), stage);
       if constexpr (kNorm) {
-        if (norm->q_norm_weight != nullptr)
-          ops.template normalise<kQUnits>(stage, ops.q_first(item - 1), p.num_qo_heads, norm->q_norm_weight,
-                                          norm->q_norm_float32, *norm);
+        typename Ops::NormScales scales;
+        const bool normed = norm->q_norm_weight != nullptr;
+        if (normed)
+          scales = ops.template norm_scales<kQUnits>(stage, ops.q_first(item - 1), p.num_qo_heads,
+                                                     norm->q_norm_weight, norm->q_norm_float32, *norm);
+        ops.finish_q(t, item - 1, cos_row, sin_row, stage, Ops::kFp8QOut ? divisors + 2 : nullptr,
+                     normed ? &scales : nullptr);
+      } else if constexpr (Ops::kFp8QOut) {
+        ops.finish_q(t, item - 1, cos_row, sin_row, stage, divisors + 2);
+      } else {
+        ops.finish_q(t, item - 1, cos_row, sin_row, stage);
       }
-      if constexpr (Ops::kFp8QOut) ops.finish_q(t, item - 1, cos_row, sin_row, stage, divisors + 2);
-      else ops.finish_q(t, item - 1, cos_row, sin_row, stage);
     }
   }
 }
@@ -850,10 +880,13 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, kPool == (kPoolPaged | k
   token_kernel_body<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool, false>(p, nullptr);
 }
 
-/// The main kernel with SPEC §7's QK norm (the planner's geometry: see HeadOps::normalise), at
+/// The main kernel with SPEC §7's QK norm (the planner's geometry: see HeadOps::norm_scales), at
 /// most 80 registers (256 x 3): at 64 the sums and weights of a lane's units spilled.
+#ifndef ROPEPOOL_NORM_BLOCKS
+#define ROPEPOOL_NORM_BLOCKS 3
+#endif
 template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool = 0>
-__global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 3)
+__global__ void __launch_bounds__(kMaxWarpsPerCta * 32, ROPEPOOL_NORM_BLOCKS)
     rope_pool_norm_kernel(const __grid_constant__ KernelParams<kFreqCap, kPool != 0> p,
                           const __grid_constant__ FusionParams norm) {
   token_kernel_body<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool, true>(p, &norm);
