@@ -881,12 +881,10 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, kPool == (kPoolPaged | k
 }
 
 /// The main kernel with SPEC §7's QK norm (the planner's geometry: see HeadOps::norm_scales), at
-/// most 80 registers (256 x 3): at 64 the sums and weights of a lane's units spilled.
-#ifndef ROPEPOOL_NORM_BLOCKS
-#define ROPEPOOL_NORM_BLOCKS 3
-#endif
+/// most 80 registers (256 x 3), where it is free of spills; at 64 it spills 28-68 bytes and
+/// measured within 4% either way on the H200 (docs/NOTES.md).
 template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool = 0>
-__global__ void __launch_bounds__(kMaxWarpsPerCta * 32, ROPEPOOL_NORM_BLOCKS)
+__global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 3)
     rope_pool_norm_kernel(const __grid_constant__ KernelParams<kFreqCap, kPool != 0> p,
                           const __grid_constant__ FusionParams norm) {
   token_kernel_body<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool, true>(p, &norm);
