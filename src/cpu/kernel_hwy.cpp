@@ -61,7 +61,14 @@ struct Float32 {
 HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> RoundToBF16High(VF v) {
   const hn::RebindToUnsigned<DF> du32;
   const auto u = hn::BitCast(du32, v);
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  // The same sum in three instructions instead of four: the kept bit tested into a mask
+  // register selects an add of 1 (a masked add).
+  const auto t = hn::Add(u, hn::Set(du32, 0x7fffu));
+  return hn::IfThenElse(hn::TestBit(u, hn::Set(du32, 0x10000u)), hn::Add(t, hn::Set(du32, 1u)), t);
+#else
   return hn::Add(u, hn::Add(hn::Set(du32, 0x7fffu), hn::And(hn::ShiftRight<16>(u), hn::Set(du32, 1u))));
+#endif
 }
 
 struct BFloat16 {
