@@ -187,6 +187,14 @@ bool pool_aligned(const PoolRows& r, int64_t pool_size, int64_t page_size, int64
 
 bool is_tuned_head_dim(int64_t d) { return d == 64 || d == 96 || d == 128 || d == 256; }
 
+/// Units per head for accesses of `vec` elements (kernel header: NeoX pairs of vectors, GPT-J
+/// vectors or, on the scalar path, pairs of elements, then the vectors past rotary_dim).
+int64_t units_per_head(const RopePoolProblem& p, int64_t vec) {
+  const int64_t R = p.rotary_dim, half = R / 2;
+  const int64_t rotating_units = !p.interleaved ? half / vec : vec == 1 ? half : R / vec;
+  return rotating_units + (p.head_dim - R) / vec;
+}
+
 }  // namespace
 
 // The limits validation asks for (limits.hpp) must be the kernel's.
@@ -239,12 +247,10 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
 
   // Work per token, in warp items (kernel header): one kv item, plus q items of
   // 32 * kQUnits units.
-  const int64_t rotating_units = !p.interleaved ? half / plan.vec_elems
-                                 : plan.vec_elems == 1 ? half : R / plan.vec_elems;
-  const int64_t units_per_head = rotating_units + (D - R) / plan.vec_elems;
-  const int64_t q_units = p.num_qo_heads * units_per_head;
+  const int64_t units = units_per_head(p, plan.vec_elems);
+  const int64_t q_units = p.num_qo_heads * units;
   const double items_per_token = 1.0 + double(q_units) / (32.0 * cuda::kQUnits);
-  const int64_t kv_span = p.num_kv_heads * std::max(units_per_head, D / plan.vec_elems);
+  const int64_t kv_span = p.num_kv_heads * std::max(units, D / plan.vec_elems);
 
   // Item indices inside a CTA are int (kernel): keep them far from overflow.
   assert(q_units + 32 * cuda::kQUnits < (int64_t(1) << 24) &&
@@ -433,8 +439,7 @@ bool has_fusions(const RopePoolProblem& p) {
 /// the weights are 16-byte aligned.
 bool norm_in_main_kernel(const RopePoolProblem& p, const LaunchPlan& plan) {
   if (plan.path == Path::Scalar) return false;
-  const int64_t vec = plan.vec_elems, D = p.head_dim, R = p.rotary_dim;
-  const int64_t units = (p.interleaved ? R / vec : R / 2 / vec) + (D - R) / vec;
+  const int64_t units = units_per_head(p, plan.vec_elems);
   const auto aligned16 = [](const void* w) { return w == nullptr || aligned(w, 16); };
   return units >= 1 && units <= 32 && (units & (units - 1)) == 0 && aligned16(p.q_norm_weight) &&
          aligned16(p.k_norm_weight);
@@ -554,6 +559,17 @@ void launch_fusion(const RopePoolProblem& p, SlotErrorRecord* record, cudaStream
                      std::to_string(plan.pool_variant));
 }
 
+/// f(E{}) with E the kernel element type of `dtype` (validation lets only these through).
+template <class F>
+void with_element_type(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::Float32: return f(cuda::F32{});
+    case DType::Float16: return f(cuda::F16{});
+    case DType::BFloat16: return f(cuda::BF16{});
+    default: throw BackendError("rope_pool_fused: unsupported dtype reached the CUDA backend");
+  }
+}
+
 void run(const RopePoolProblem& p, const LaunchConfig& overrides) {
   const LaunchPlan plan = cuda_launch::plan_launch(p, overrides);  // validated: asserts only
   const int device = device_of(p.q.data);
@@ -562,29 +578,13 @@ void run(const RopePoolProblem& p, const LaunchConfig& overrides) {
   const auto stream = static_cast<cudaStream_t>(p.stream);
   if (p.check_slots) check_slots_on_host(p, stream);
   SlotErrorRecord* record = error_record_for_device(device);
-  if (has_fusions(p) && !norm_in_main_kernel(p, plan)) {
-    switch (p.dtype) {
-      case DType::Float32: return launch_fusion<cuda::F32>(p, record, stream);
-      case DType::Float16: return launch_fusion<cuda::F16>(p, record, stream);
-      case DType::BFloat16: return launch_fusion<cuda::BF16>(p, record, stream);
-      default: throw BackendError("rope_pool_fused: unsupported dtype reached the CUDA backend");
-    }
-  }
-  if (has_fusions(p)) {
+  with_element_type(p.dtype, [&](auto element) {
+    using E = decltype(element);
+    if (!has_fusions(p)) return launch_variant<E>(p, plan, record, stream);
+    if (!norm_in_main_kernel(p, plan)) return launch_fusion<E>(p, record, stream);
     const cuda::FusionParams f = fusion_params(p);
-    switch (p.dtype) {
-      case DType::Float32: return launch_variant<cuda::F32, true>(p, plan, record, stream, &f);
-      case DType::Float16: return launch_variant<cuda::F16, true>(p, plan, record, stream, &f);
-      case DType::BFloat16: return launch_variant<cuda::BF16, true>(p, plan, record, stream, &f);
-      default: throw BackendError("rope_pool_fused: unsupported dtype reached the CUDA backend");
-    }
-  }
-  switch (p.dtype) {
-    case DType::Float32: return launch_variant<cuda::F32>(p, plan, record, stream);
-    case DType::Float16: return launch_variant<cuda::F16>(p, plan, record, stream);
-    case DType::BFloat16: return launch_variant<cuda::BF16>(p, plan, record, stream);
-    default: throw BackendError("rope_pool_fused: unsupported dtype reached the CUDA backend");
-  }
+    launch_variant<E, true>(p, plan, record, stream, &f);
+  });
 }
 
 }  // namespace
