@@ -15,7 +15,7 @@ cd "$(dirname "$0")"
 ROOT=$PWD
 JOBS=${JOBS:-$(nproc)}
 
-log() { printf '\n=== %s\n' "$*"; }
+log() { printf '\n=== [%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
 
 apt_deps() {
   local need=()
