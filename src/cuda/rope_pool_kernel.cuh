@@ -406,9 +406,11 @@ struct HeadOps {
   // store path (fp8 included) run unchanged.
 
   /// Vector x (elements first.. of a head) normalised with r and the weights: "rms"
-  /// round(w * round(x * r)), "gemma" round(x * r * (1 + w)), each in float32.
+  /// round(w * round(x * r)), "gemma" round(x * r * (1 + w)), each in float32. One code path
+  /// for both (w_offset: -0 or 1, and w + -0 is w for every w, -0 included), so that neither
+  /// style's instructions are issued, predicated off, for the other.
   __device__ __forceinline__ void norm_vector(Raw& x, int first, const void* w, bool w_float32,
-                                              float r, bool gemma) const {
+                                              float r, bool gemma, float w_offset) const {
     float f[kVec], wv[kVec];
     IO::to_float(x, f);
     if (w_float32) {
@@ -428,23 +430,22 @@ struct HeadOps {
     }
 #pragma unroll
     for (int e = 0; e < kVec; ++e) f[e] *= r;
-    if (gemma) {
+    if (!gemma) IO::to_float(IO::from_float(f), f);  // rms: the normalised value in q's dtype
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) f[e] *= 1.0f + wv[e];
-    } else {
-      IO::to_float(IO::from_float(f), f);  // the normalised value in q's dtype
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) f[e] *= wv[e];
-    }
+    for (int e = 0; e < kVec; ++e) f[e] *= wv[e] + w_offset;
     x = IO::from_float(f);
   }
 
   /// What a norm leaves for finish_q / finish_kv: r = rsqrt(mean(x^2) + eps) of each unit's
-  /// head, and the weights.
+  /// head, and the weights; `on` false: this item's heads have no weight (no norm). The
+  /// kernel passes its address unconditionally, so the struct stays in registers (choosing
+  /// between its address and nullptr at run time put it on the stack: a local-memory load
+  /// per unit).
   struct NormScales {
     float r[kQUnits];
     const void* w;
-    bool w_float32, gemma;
+    float w_offset;  ///< added to each weight: -0 ("rms"), 1 ("gemma")
+    bool w_float32, gemma, on;
   };
 
   /// The r of the kUnits units of one item in stage[2i] (and stage[2i + 1], a pair's second
@@ -455,7 +456,7 @@ struct HeadOps {
                                                     const void* w, bool w_float32,
                                                     const FusionParams& f) const {
     static_assert(kUnits <= kQUnits, "NormScales holds a q chunk's units");
-    NormScales n{{}, w, w_float32, f.norm_gemma};
+    NormScales n{{}, w, f.norm_gemma ? 1.0f : -0.0f, w_float32, f.norm_gemma, true};
     float sum[kUnits];
     Cursor u = c;
 #pragma unroll
@@ -485,8 +486,9 @@ struct HeadOps {
   /// before finish_q / finish_kv rotates it.
   __device__ __forceinline__ void norm_unit(Raw& a, Raw& b, int j, const NormScales& n, int i) const {
     const int first = unit_first(j);
-    norm_vector(a, first, n.w, n.w_float32, n.r[i], n.gemma);
-    if (kTwoAccesses && j < pairs_per_head) norm_vector(b, first + partner(), n.w, n.w_float32, n.r[i], n.gemma);
+    norm_vector(a, first, n.w, n.w_float32, n.r[i], n.gemma, n.w_offset);
+    if (kTwoAccesses && j < pairs_per_head)
+      norm_vector(b, first + partner(), n.w, n.w_float32, n.r[i], n.gemma, n.w_offset);
   }
 
   /// Where an item's loads go: one pointer per unit (nullptr past the last head), and which
@@ -539,7 +541,7 @@ struct HeadOps {
 #pragma unroll
     for (int i = 0; i < kQUnits; ++i, advance(c, units)) {
       if (c.head >= p.num_qo_heads) continue;
-      if (norm != nullptr) norm_unit(stage[2 * i], stage[2 * i + 1], c.j, *norm, i);
+      if (norm != nullptr && norm->on) norm_unit(stage[2 * i], stage[2 * i + 1], c.j, *norm, i);
       if constexpr (kFp8QOut) {
         // Both halves at once here: one half at a time spills more in the q chunks.
         float fa[kVec], fb[kVec];
@@ -627,7 +629,7 @@ struct HeadOps {
 #pragma unroll
     for (int i = 0; i < kKUnits; ++i, advance(c, units)) {
       if (c.head >= p.num_kv_heads) continue;
-      if (norm != nullptr) norm_unit(stage[2 * i], stage[2 * i + 1], c.j, *norm, i);
+      if (norm != nullptr && norm->on) norm_unit(stage[2 * i], stage[2 * i + 1], c.j, *norm, i);
       if constexpr (kFp8Pool) {
         // k_pool from the rotated float32 values, before they are rounded to q's dtype.
         float fa[kVec], fb[kVec];
@@ -841,13 +843,12 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
           lock_row(lock, ops.lane);  // after the loads are in flight
         }
         if constexpr (kNorm) {
-          typename Ops::NormScales scales;
-          const bool normed = norm->k_norm_weight != nullptr;
-          if (normed)
+          typename Ops::NormScales scales{};  // on = false: k has no weight
+          if (norm->k_norm_weight != nullptr)
             scales = ops.template norm_scales<kKUnits>(stage, ops.k_first(r), p.num_kv_heads,
                                                        norm->k_norm_weight, norm->k_norm_float32, *norm);
           ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, Ops::kFp8Pool ? divisors : nullptr,
-                        normed ? &scales : nullptr);
+                        &scales);
         } else if constexpr (Ops::kFp8Pool) {
           ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, divisors);
         } else {
@@ -858,13 +859,12 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
     } else {
       if (!prefetched) ops.load_q(ops.q_sources(t, item - 1), stage);
       if constexpr (kNorm) {
-        typename Ops::NormScales scales;
-        const bool normed = norm->q_norm_weight != nullptr;
-        if (normed)
+        typename Ops::NormScales scales{};  // on = false: q has no weight
+        if (norm->q_norm_weight != nullptr)
           scales = ops.template norm_scales<kQUnits>(stage, ops.q_first(item - 1), p.num_qo_heads,
                                                      norm->q_norm_weight, norm->q_norm_float32, *norm);
         ops.finish_q(t, item - 1, cos_row, sin_row, stage, Ops::kFp8QOut ? divisors + 2 : nullptr,
-                     normed ? &scales : nullptr);
+                     &scales);
       } else if constexpr (Ops::kFp8QOut) {
         ops.finish_q(t, item - 1, cos_row, sin_row, stage, divisors + 2);
       } else {
