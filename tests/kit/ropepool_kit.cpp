@@ -677,7 +677,12 @@ CheckStats check_rotation(const char* name, const TensorView& x, const TensorVie
         // relative 2^-20 (SPEC §7)
         if (x.dtype == DType::Float32) return std::ldexp(y, -20);
         const double n_ulp = reference::tolerance(x.dtype, how.norm_gemma ? y : y / std::abs(w[size_t(d)]), 0);
-        return how.norm_gemma ? n_ulp : n_ulp * std::abs(w[size_t(d)]) + reference::tolerance(x.dtype, y, 0);
+        if (how.norm_gemma) return n_ulp;
+        // "rms": the ulp of the normalised value, times w, then the second rounding. The two
+        // products round on either side of a power of two when they straddle one: one ulp at
+        // the larger one's magnitude (at most y + w ulp + half an ulp of y).
+        const double scaled = n_ulp * std::abs(w[size_t(d)]);
+        return scaled + reference::tolerance(x.dtype, y + scaled + reference::tolerance(x.dtype, y, 0), 0);
       };
       const std::vector<double> exact =
           how.norm_weight
