@@ -433,7 +433,8 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
   specs.push_back({PoolSpec::NHD, 16, true, true, true});
   specs.push_back({PoolSpec::Flat, 1, false, true, false});
   std::printf("\nSPEC 6 caches (bf16 q/k/v, Hq 32, Hk 8, D 128, 262144-slot caches; copy %.0f GB/s):\n", copy / 1e9);
-  std::printf("%8s  %-40s %10s %9s %7s %10s %10s\n", "T", "cache", "us/call", "GB/s", "%copy", "graph us", "kernel");
+  std::printf("%8s  %-40s %10s %9s %7s %10s %10s  %s\n", "T", "cache", "us/call", "GB/s", "%copy", "graph us", "kernel",
+              "fp8 k and v on one item (T <= 256): us/call | graph us");
   g_json += ", \"pools\": [";
   bool first_row = true;
   for (int64_t T : tokens)
@@ -443,18 +444,31 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
       const auto plan = detail::cuda_launch::plan_launch(w.problem(0, s), def);
       const double t = time_stream(w, def, s);
       const double tg = T <= 256 ? time_graph(w, s) : 0;
+      // The same case with the fp8 pool's k and v heads on one warp item: before/after of the
+      // split, same run.
+      const bool split = plan.kv_items == 2;
+      double t1 = 0, tg1 = 0;
+      if (split) {
+        detail::cuda_launch::LaunchConfig one;
+        one.split_fp8_kv = -1;
+        t1 = time_stream(w, one, s);
+        tg1 = time_graph(w, s, one);
+      }
       const double gbps = w.bytes() / t;
       char kernel[48];
-      std::snprintf(kernel, sizeof kernel, "%s v%d %dw",
+      std::snprintf(kernel, sizeof kernel, "%s v%d %dw%s",
                     plan.path == detail::cuda_launch::Path::Tuned ? "tuned" : plan.path == detail::cuda_launch::Path::Vector ? "vector" : "scalar",
-                    plan.pool_variant, plan.config.warps_per_cta);
-      std::printf("%8lld  %-40s %10.2f %9.0f %6.1f%% %10.2f %10s\n", (long long)T, spec.name().c_str(), t * 1e6,
-                  gbps / 1e9, 100 * gbps / copy, tg * 1e6, kernel);
-      char js[400];
+                    plan.pool_variant, plan.config.warps_per_cta, split ? " split" : "");
+      char one_item[48] = "";
+      if (t1 > 0) std::snprintf(one_item, sizeof one_item, "%.2f | %.2f", t1 * 1e6, tg1 * 1e6);
+      std::printf("%8lld  %-40s %10.2f %9.0f %6.1f%% %10.2f %10s  %s\n", (long long)T, spec.name().c_str(), t * 1e6,
+                  gbps / 1e9, 100 * gbps / copy, tg * 1e6, kernel, one_item);
+      char js[480];
       std::snprintf(js, sizeof js,
                     "%s{\"T\": %lld, \"cache\": \"%s\", \"us\": %.3f, \"GBps\": %.1f, \"graph_us\": %.3f, "
-                    "\"bytes\": %.0f}",
-                    first_row ? "" : ", ", (long long)T, spec.name().c_str(), t * 1e6, gbps / 1e9, tg * 1e6, w.bytes());
+                    "\"bytes\": %.0f, \"kv_items\": %d, \"one_kv_item_us\": %.3f, \"one_kv_item_graph_us\": %.3f}",
+                    first_row ? "" : ", ", (long long)T, spec.name().c_str(), t * 1e6, gbps / 1e9, tg * 1e6, w.bytes(),
+                    plan.kv_items, t1 * 1e6, tg1 * 1e6);
       g_json += js;
       first_row = false;
       std::fflush(stdout);

@@ -18,6 +18,9 @@ struct LaunchConfig {
   /// Keep duplicate slots from mixing rows (SPEC §3): shared-memory scan or per-slot lock.
   /// Only the benchmark turns it off, to measure what it costs.
   bool dedupe_rows = true;
+  /// An fp8 pool's k heads and v heads as two warp items: 0 default, on where the call takes
+  /// no row lock (T <= kMaxScanTokens; a row's lock is held by one warp); -1 off (one kv item).
+  int split_fp8_kv = 0;
 };
 
 /// Which kernel a problem runs on: a tuned head size, the generic 16-byte path, or the
@@ -31,6 +34,7 @@ struct LaunchPlan {
   int vec_elems = 1;  ///< elements per access
   LaunchConfig config;      ///< the chosen shape
   int pool_write_mode = 0;  ///< cuda::PoolWriteMode
+  int kv_items = 1;         ///< kv warp items per token (LaunchConfig::split_fp8_kv)
   /// cuda::PoolVariant bits: 0 for pools in q's dtype with page size 1 (the seed's kernels);
   /// paged pools, fp8 pools and an fp8 q_out run kernels of their own.
   int pool_variant = 0;

@@ -245,11 +245,22 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
     plan.vec_elems = 1;
   }
 
-  // Work per token, in warp items (kernel header): one kv item, plus q items of
+  LaunchConfig c = overrides;
+  // Duplicate slots: none possible with one token; a shared-memory scan for small calls
+  // (no atomics, no fences, and the last token wins as on the CPU); locks otherwise.
+  plan.pool_write_mode = T == 1 || !c.dedupe_rows ? cuda::kPoolWriteDirect
+                         : T <= cuda::kMaxScanTokens ? cuda::kPoolWriteScan
+                                                     : cuda::kPoolWriteLock;
+  // An fp8 pool's k heads and v heads as two items where no row lock is taken: at small T the
+  // e4m3 quantisation of a token's kv row is the longest chain of its CTA (docs/CUDA.md).
+  assert(c.split_fp8_kv == 0 || c.split_fp8_kv == -1);
+  plan.kv_items = fp8_pool && plan.pool_write_mode != cuda::kPoolWriteLock && c.split_fp8_kv == 0 ? 2 : 1;
+
+  // Work per token, in warp items (kernel header): the kv items, plus q items of
   // 32 * kQUnits units.
   const int64_t units = units_per_head(p, plan.vec_elems);
   const int64_t q_units = p.num_qo_heads * units;
-  const double items_per_token = 1.0 + double(q_units) / (32.0 * cuda::kQUnits);
+  const double items_per_token = plan.kv_items + double(q_units) / (32.0 * cuda::kQUnits);
   const int64_t kv_span = p.num_kv_heads * std::max(units, D / plan.vec_elems);
 
   // Item indices inside a CTA are int (kernel): keep them far from overflow.
@@ -257,7 +268,6 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
          kv_span + 32 * cuda::kVVecs < (int64_t(1) << 24));
   (void)kv_span;
 
-  LaunchConfig c = overrides;
   // A CTA per token, one warp per item, so the token's items run side by side; the warp
   // count is the only choice left (no other shape measured faster: docs/CUDA.md).
   if (c.warps_per_cta <= 0)
@@ -267,11 +277,6 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   plan.threads = 32 * c.warps_per_cta;
   plan.shared_bytes = size_t(2) * size_t(half) * sizeof(float);
   if (plan.pool_variant != 0) plan.shared_bytes += cuda::kPoolSharedBytes;  // before the table
-  // Duplicate slots: none possible with one token; a shared-memory scan for small calls
-  // (no atomics, no fences, and the last token wins as on the CPU); locks otherwise.
-  plan.pool_write_mode = T == 1 || !c.dedupe_rows ? cuda::kPoolWriteDirect
-                         : T <= cuda::kMaxScanTokens ? cuda::kPoolWriteScan
-                                                     : cuda::kPoolWriteLock;
   if (plan.pool_write_mode == cuda::kPoolWriteScan) plan.shared_bytes += size_t(T) * 8;
   // PDL (docs/CUDA.md): this launch may start while the previous kernel on the stream
   // drains (it waits for that kernel in-kernel before touching memory) and lets the next one
@@ -335,6 +340,7 @@ KernelParams<kFreqCap, true> make_pool_params(const RopePoolProblem& p, const La
   if (p.pool_dtype != DType::Float8E4M3FN) scales[0] = scales[1] = &none;
   if (p.q_out_dtype != DType::Float8E4M3FN) scales[2] = &none;
   for (int i = 0; i < 3; ++i) x.scale_ptr[i] = scales[i]->ptr, x.scale_value[i] = scales[i]->value;
+  x.kv_items = plan.kv_items;
   return k;
 }
 

@@ -68,6 +68,8 @@ struct PoolParams {
   float scale_value[3];
   int page_shift;        ///< log2(page_size) when it is a power of two, else -1
   int slots_fit_32_bits;  ///< pool_size <= 2^32 - 1: the page division in 32 bits
+  int kv_items;  ///< fp8 pools: 1 (one kv item), or 2 (the k heads and the v heads are items of
+                 ///< their own, on two warps; never in kPoolWriteLock mode)
 };
 
 /// SPEC §7's QK norm (a second kernel parameter of the kernels that normalise: the main
@@ -266,9 +268,24 @@ struct HeadOps {
     vecs = stride_of(vecs_per_head);
   }
 
-  __device__ __forceinline__ int kv_rounds() const {
-    const int rk = (k_units + 32 * kKUnits - 1) / (32 * kKUnits);
-    const int rv = (v_vecs + 32 * kVVecs - 1) / (32 * kVVecs);
+  /// A token's kv work: one item (k and v heads), or with an fp8 pool in the scan and direct
+  /// write modes two (PoolParams::kv_items): the k heads (item 0) and the v heads (item 1), so
+  /// that at small T the e4m3 quantisation of a token's k and v runs on two warps. Both items
+  /// decide to write the row or not from the slots alone, so a row stays one token's.
+  __device__ __forceinline__ int kv_items() const {
+    if constexpr (kFp8Pool) return p.pool.kv_items;
+    else return 1;
+  }
+  /// Which heads kv item `item` handles: kKv (one item), kKHeads or kVHeads.
+  __device__ __forceinline__ int kv_parts(int item) const {
+    if constexpr (kFp8Pool) return p.pool.kv_items == 1 ? kKv : item == 0 ? kKHeads : kVHeads;
+    else return kKv;
+  }
+  static constexpr int kKHeads = 1, kVHeads = 2, kKv = kKHeads | kVHeads;
+
+  __device__ __forceinline__ int kv_rounds(int parts = kKv) const {
+    const int rk = parts & kKHeads ? (k_units + 32 * kKUnits - 1) / (32 * kKUnits) : 0;
+    const int rv = parts & kVHeads ? (v_vecs + 32 * kVVecs - 1) / (32 * kVVecs) : 0;
     return rk > rv ? rk : rv;
   }
 
@@ -564,16 +581,17 @@ struct HeadOps {
     return cursor_at(round * kVVecs * 32 + lane, vecs);
   }
 
-  __device__ __forceinline__ Sources kv_sources(int64_t t, int round) const {
+  /// parts: the heads the item loads (kv_parts); the others' addresses are nullptr.
+  __device__ __forceinline__ Sources kv_sources(int64_t t, int round, int parts = kKv) const {
     Sources s{{}, 0u};
     Cursor c = k_first(round);
 #pragma unroll
     for (int i = 0; i < kKUnits; ++i, advance(c, units))
-      add_unit(s, i, p.k, p.k_row, p.k_head, t, c, p.num_kv_heads);
+      add_unit(s, i, p.k, p.k_row, p.k_head, t, c, parts & kKHeads ? p.num_kv_heads : 0);
     c = v_first(round);
 #pragma unroll
     for (int i = 0; i < kVVecs; ++i, advance(c, vecs))
-      s.at[kKUnits + i] = c.head < p.num_kv_heads
+      s.at[kKUnits + i] = parts & kVHeads && c.head < p.num_kv_heads
                               ? static_cast<const Bits*>(p.v) + t * p.v_row + c.head * p.v_head + c.j * kVec
                               : nullptr;
     return s;
@@ -595,7 +613,7 @@ struct HeadOps {
     int64_t slot;
     volatile int64_t* offsets;
   };
-  __device__ __forceinline__ PoolRow pool_row(int64_t slot, int64_t* offsets) const {
+  __device__ __forceinline__ PoolRow pool_row(int64_t slot, int64_t* offsets, int parts = kKv) const {
     PoolRow r{slot, offsets};
     if constexpr (kPaged) {
       // slot -> (page, row), once per token: a shift for power-of-two page sizes (1 included),
@@ -611,9 +629,9 @@ struct HeadOps {
         page = slot / p.pool.page_size;
         row = slot - page * p.pool.page_size;
       }
-      if (lane == 0) {  // used only when the row is written (slot in range)
-        offsets[0] = page * p.kp_row + row * p.pool.kp_in_page;
-        offsets[1] = page * p.vp_row + row * p.pool.vp_in_page;
+      if (lane == 0) {  // used only when the row is written (slot in range); each its own
+        if (parts & kKHeads) offsets[0] = page * p.kp_row + row * p.pool.kp_in_page;
+        if (parts & kVHeads) offsets[1] = page * p.vp_row + row * p.pool.vp_in_page;
       }
       __syncwarp();
     }
@@ -622,13 +640,13 @@ struct HeadOps {
 
   __device__ __forceinline__ void finish_kv(int64_t t, const float* cos_row, const float* sin_row,
                                             int round, const PoolRow& row, bool to_pool,
-                                            Raw (&stage)[kStage],
+                                            Raw (&stage)[kStage], int parts = kKv,
                                             const Fp8Divisor* kv_scales = nullptr,
                                             const NormScales* norm = nullptr) const {
     Cursor c = k_first(round);
 #pragma unroll
     for (int i = 0; i < kKUnits; ++i, advance(c, units)) {
-      if (c.head >= p.num_kv_heads) continue;
+      if (!(parts & kKHeads) || c.head >= p.num_kv_heads) continue;
       if (norm != nullptr && norm->on) norm_unit(stage[2 * i], stage[2 * i + 1], c.j, *norm, i);
       if constexpr (kFp8Pool) {
         // k_pool from the rotated float32 values, before they are rounded to q's dtype.
@@ -648,7 +666,7 @@ struct HeadOps {
                      stage[2 * i], stage[2 * i + 1]);
       }
     }
-    if (!to_pool) return;
+    if (!to_pool || !(parts & kVHeads)) return;
     c = v_first(round);
 #pragma unroll
     for (int i = 0; i < kVVecs; ++i, advance(c, vecs)) {
@@ -769,13 +787,14 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
   const bool scan = p.pool_write_mode == kPoolWriteScan;
 
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
-  const int items = 1 + ops.q_chunks();
+  const int kv_items = ops.kv_items();  // 1, or 2 for an fp8 pool at small T (HeadOps::kv_items)
+  const int items = kv_items + ops.q_chunks();
   int item = warp;
 
   // Before the wait: the first item's addresses.
   typename Ops::Sources src{{}, 0u};
-  if (item == 0) src = ops.kv_sources(t, 0);
-  else if (item < items) src = ops.q_sources(t, item - 1);
+  if (item < kv_items) src = ops.kv_sources(t, 0, ops.kv_parts(item));
+  else if (item < items) src = ops.q_sources(t, item - kv_items);
 #pragma unroll
   for (int i = 0; i < Ops::kSources; ++i) pin(src.at[i]);
   pin(src.pairs);
@@ -790,7 +809,7 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
   }
   Raw stage[kStage];
   int64_t slot = -1;
-  if (item == 0) {
+  if (item < kv_items) {
     slot = load_index(p.slots, p.slots_stride, p.slots_int64, t);
     ops.load_kv(src, stage);
   } else if (item < items) {
@@ -820,8 +839,15 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
   allow_next_grid();
 
   for (bool prefetched = true; item < items; item += warps, prefetched = false) {
-    if (item == 0) {  // only ever a warp's first item: prefetched
-      bool to_pool = ops.pool_row_valid(t, slot);
+    if (item < kv_items) {
+      // A warp's first item, prefetched; with two kv items and one warp, item 1 is not.
+      const int parts = ops.kv_parts(item);
+      if (Ops::kFp8Pool && !prefetched) {
+        slot = load_index(p.slots, p.slots_stride, p.slots_int64, t);
+        ops.load_kv(ops.kv_sources(t, 0, parts), stage);
+      }
+      // The k item records a bad slot (SPEC §3); a v item of its own only skips it.
+      bool to_pool = parts & Ops::kKHeads ? ops.pool_row_valid(t, slot) : slot >= 0 && slot < p.pool_size;
       if (scan && to_pool) {
         // Last token wins: skip the write when a later token of the call has this slot.
         bool later = false;
@@ -831,44 +857,44 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
         to_pool = !__any_sync(0xffffffffu, later);
       }
       typename Ops::PoolRow row{slot, nullptr};
-      if constexpr (kPool != 0) row = ops.pool_row(slot, reinterpret_cast<int64_t*>(shared) + 6);
-      // Lock mode: taken after the loads are in flight, after the barrier (no warp holds a
-      // lock across it), released after the row's last store.
+      if constexpr (kPool != 0) row = ops.pool_row(slot, reinterpret_cast<int64_t*>(shared) + 6, parts);
+      // Lock mode (one kv item): taken after the loads are in flight, after the barrier (no
+      // warp holds a lock across it), released after the row's last store.
       unsigned int* lock = nullptr;
-      const int rounds = ops.kv_rounds();
+      const int rounds = ops.kv_rounds(parts);
       for (int r = 0; r < rounds; ++r) {
-        if (r > 0) ops.load_kv(ops.kv_sources(t, r), stage);
+        if (r > 0) ops.load_kv(ops.kv_sources(t, r, parts), stage);
         if (to_pool && p.pool_write_mode == kPoolWriteLock && lock == nullptr) {
           lock = slot_lock(slot);
           lock_row(lock, ops.lane);  // after the loads are in flight
         }
         if constexpr (kNorm) {
-          typename Ops::NormScales scales{};  // on = false: k has no weight
-          if (norm->k_norm_weight != nullptr)
+          typename Ops::NormScales scales{};  // on = false: k has no weight, or no k heads here
+          if (norm->k_norm_weight != nullptr && (parts & Ops::kKHeads))
             scales = ops.template norm_scales<kKUnits>(stage, ops.k_first(r), p.num_kv_heads,
                                                        norm->k_norm_weight, norm->k_norm_float32, *norm);
-          ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, Ops::kFp8Pool ? divisors : nullptr,
-                        &scales);
+          ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, parts,
+                        Ops::kFp8Pool ? divisors : nullptr, &scales);
         } else if constexpr (Ops::kFp8Pool) {
-          ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, divisors);
+          ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, parts, divisors);
         } else {
           ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage);
         }
       }
       if (lock != nullptr) unlock_row(lock, ops.lane);
     } else {
-      if (!prefetched) ops.load_q(ops.q_sources(t, item - 1), stage);
+      if (!prefetched) ops.load_q(ops.q_sources(t, item - kv_items), stage);
       if constexpr (kNorm) {
         typename Ops::NormScales scales{};  // on = false: q has no weight
         if (norm->q_norm_weight != nullptr)
-          scales = ops.template norm_scales<kQUnits>(stage, ops.q_first(item - 1), p.num_qo_heads,
+          scales = ops.template norm_scales<kQUnits>(stage, ops.q_first(item - kv_items), p.num_qo_heads,
                                                      norm->q_norm_weight, norm->q_norm_float32, *norm);
-        ops.finish_q(t, item - 1, cos_row, sin_row, stage, Ops::kFp8QOut ? divisors + 2 : nullptr,
+        ops.finish_q(t, item - kv_items, cos_row, sin_row, stage, Ops::kFp8QOut ? divisors + 2 : nullptr,
                      &scales);
       } else if constexpr (Ops::kFp8QOut) {
-        ops.finish_q(t, item - 1, cos_row, sin_row, stage, divisors + 2);
+        ops.finish_q(t, item - kv_items, cos_row, sin_row, stage, divisors + 2);
       } else {
-        ops.finish_q(t, item - 1, cos_row, sin_row, stage);
+        ops.finish_q(t, item - kv_items, cos_row, sin_row, stage);
       }
     }
   }

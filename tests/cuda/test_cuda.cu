@@ -820,6 +820,7 @@ struct PoolCase {
   int mrope = 0;            ///< SPEC §7 positions [3, T]: 1 Qwen2-VL sections, 2 interleaved
   bool index64 = false;
   Kernel kernel = Kernel::Auto;
+  bool no_split = false;    ///< LaunchConfig::split_fp8_kv = -1 (an fp8 pool's k and v on one item)
   int expect_path = -1;     ///< a Path the plan must choose, or -1
   std::vector<int64_t> slots;  ///< empty: distinct random rows, some negative
   std::string name() const {
@@ -840,8 +841,10 @@ struct PoolCase {
                              .c_str()
                        : "",
                   mrope ? (mrope == 2 ? " mrope(interleaved)" : " mrope") : "", kernel_name(kernel));
-    if (claimed_pool_size) return b + std::string(" pool_size=") + std::to_string(claimed_pool_size);
-    return b;
+    std::string n = b;
+    if (no_split) n += " no-split";
+    if (claimed_pool_size) n += " pool_size=" + std::to_string(claimed_pool_size);
+    return n;
   }
 };
 
@@ -904,6 +907,7 @@ struct PoolRun {
     scale_dev = std::make_unique<DeviceBuffer>(3 * sizeof(float));
     set_scales(c.k_scale, c.v_scale, c.q_scale);
     if (c.kernel != Kernel::Auto) cfg.warps_per_cta = c.kernel == Kernel::OneWarp ? 1 : 2;
+    cfg.split_fp8_kv = c.no_split ? -1 : 0;
   }
 
   /// The scales the next launch uses: values, or (scale_ptrs) the device floats, with a wrong
@@ -1028,10 +1032,11 @@ struct PoolRun {
       }
   }
 
-  Path plan_path(int* variant = nullptr, int* warps = nullptr) const {
+  Path plan_path(int* variant = nullptr, int* warps = nullptr, int* kv_items = nullptr) const {
     const auto plan = detail::cuda_launch::plan_launch(prob, cfg);
     if (variant) *variant = plan.pool_variant;
     if (warps) *warps = plan.config.warps_per_cta;
+    if (kv_items) *kv_items = plan.kv_items;
     return plan.path;
   }
 
@@ -1183,8 +1188,8 @@ int g_pool_cases = 0;
 /// Runs one case, prints one line: ok/FAIL, the plan (path, variant, warps), the case.
 void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   PoolRun run(pc, rng);
-  int variant = 0, warps = 0;
-  const Path path = run.plan_path(&variant, &warps);
+  int variant = 0, warps = 0, kv_items = 0;
+  const Path path = run.plan_path(&variant, &warps, &kv_items);
   const std::string what = std::string(group) + ": " + pc.name();
   std::string first;
   int64_t bad = 0;
@@ -1194,6 +1199,14 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
     bad = run.check(first);
   } catch (const std::exception& e) {
     bad = 1, first = std::string("threw ") + e.what();
+  }
+  // The planner: an fp8 pool's k and v heads on items of their own, unless the call takes row
+  // locks (T > kMaxScanTokens, 256: src/cuda/rope_pool_kernel.cuh) or the case turns it off.
+  const int want_kv = pc.fp8_pool && pc.T <= 256 && !pc.no_split ? 2 : 1;
+  if (!pc.norm && kv_items != want_kv) {
+    ++bad;
+    first = "plan chose " + std::to_string(kv_items) + " kv item(s), expected " + std::to_string(want_kv) +
+            (first.empty() ? "" : "; " + first);
   }
   if (pc.expect_path >= 0 && !pc.norm && int(path) != pc.expect_path) {
     ++bad;
@@ -1205,7 +1218,8 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   if (pc.norm)  // a norm kernel (the main kernel's variant or a fusion kernel), same pool variants
     std::printf("  %-4s norm   v%d     %s\n", bad == 0 ? "ok" : "FAIL", variant, what.c_str());
   else
-    std::printf("  %-4s %-6s v%d %dw  %s\n", bad == 0 ? "ok" : "FAIL", path_name(path), variant, warps, what.c_str());
+    std::printf("  %-4s %-6s v%d %dw%s  %s\n", bad == 0 ? "ok" : "FAIL", path_name(path), variant, warps,
+                kv_items == 2 ? " kv2" : "", what.c_str());
 }
 
 void test_paged_layouts(Rng& rng) {
@@ -1288,6 +1302,17 @@ void test_fp8_pools(Rng& rng) {
       c.kernel = k, c.Hq = 32, c.Hk = 8;
       run_pool_case(c, rng, "fp8");
     }
+    // Llama's shape at T = 1 and in scan mode, every launch shape, with an fp8 q_out and
+    // without: the k and v heads on items of their own, and on one (what T > 256 uses).
+    for (Kernel k : {Kernel::Auto, Kernel::OneWarp, Kernel::TwoWarps})
+      for (int64_t T : {int64_t(1), int64_t(37)})
+        for (bool no_split : {true, false})
+          for (bool fp8_q : {false, true}) {
+            PoolCase c = base;
+            c.kernel = k, c.T = T, c.Hq = 32, c.Hk = 8, c.D = 128, c.no_split = no_split, c.scale_ptrs = !no_split;
+            c.fp8_q = fp8_q, c.q_scale = 0.07f;
+            run_pool_case(c, rng, "fp8");
+          }
     for (int64_t T : {int64_t(1), int64_t(300)}) {
       PoolCase c = base;
       c.T = T, c.cache = Cache::HND, c.page_size = 5;
