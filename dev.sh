@@ -21,8 +21,9 @@ log() { printf '\n=== [%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*";
 
 apt_deps() {
   local need=()
-  # clang-14 + libclang-rt-14-dev (libclang_rt.fuzzer): the libFuzzer step of ./dev.sh test
-  for pkg in cmake g++ libhwy-dev libgtest-dev python3-venv clang-14 libclang-rt-14-dev; do
+  # clang-14 + libclang-rt-14-dev (libclang_rt.fuzzer): the libFuzzer step of ./dev.sh test;
+  # ninja-build: every build folder uses Ninja (configure below)
+  for pkg in cmake g++ ninja-build libhwy-dev libgtest-dev python3-venv clang-14 libclang-rt-14-dev; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
   done
   if ((${#need[@]})); then
@@ -44,9 +45,21 @@ venv() {
   fi
 }
 
+# Every build folder uses Ninja: unlike Makefiles, it compiles a target's objects while the
+# libraries it links are still compiling, so both cores stay busy while the CPU kernel's file
+# (one translation unit per Highway target) compiles. A folder configured with another
+# generator is started afresh.
+configure() {  # source dir, build dir, extra cmake args...
+  local src=$1 dir=$2; shift 2
+  if [ -f "$dir/CMakeCache.txt" ] && ! grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja$' "$dir/CMakeCache.txt"; then
+    rm -rf "$dir"
+  fi
+  cmake -S "$src" -B "$dir" -G Ninja "$@" >/dev/null
+}
+
 cmake_build() {  # dir, extra cmake args...
   local dir=$1; shift
-  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
+  configure . "$dir" -DCMAKE_BUILD_TYPE=Release "$@"
   cmake --build "$dir" -j "$JOBS"
 }
 
@@ -73,8 +86,8 @@ NATIVE_HWY_OFF="HWY_AVX2|HWY_SSE4|HWY_SSSE3"
 # suite, so the step stays short; any race report fails it.
 test_tsan() {
   log "concurrency tests under ThreadSanitizer"
-  cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DROPEPOOL_WITH_CUDA=OFF \
-    -DROPEPOOL_SANITIZE=thread -DROPEPOOL_BUILD_CLI=OFF "-DROPEPOOL_HWY_DISABLED_TARGETS=$NATIVE_HWY_OFF" >/dev/null
+  configure . build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DROPEPOOL_WITH_CUDA=OFF \
+    -DROPEPOOL_SANITIZE=thread -DROPEPOOL_BUILD_CLI=OFF "-DROPEPOOL_HWY_DISABLED_TARGETS=$NATIVE_HWY_OFF"
   cmake --build build-tsan -j "$JOBS" --target ropepool_test_concurrency
   TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ./build-tsan/tests/cpp/ropepool_test_concurrency
 }
@@ -85,9 +98,9 @@ test_tsan() {
 # build-fuzz/tests/fuzz/ropepool_fuzz <file>, keep it under tests/fuzz/regressions/.
 test_fuzz() {
   log "libFuzzer on rope_pool_fused, ${FUZZ_SECONDS:-60} s (ASan+UBSan)"
-  CC=clang-14 CXX=clang++-14 cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  CC=clang-14 CXX=clang++-14 configure . build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DROPEPOOL_WITH_CUDA=OFF -DROPEPOOL_SANITIZE=ON -DROPEPOOL_FUZZ=ON -DROPEPOOL_BUILD_CLI=OFF \
-    "-DROPEPOOL_HWY_DISABLED_TARGETS=$NATIVE_HWY_OFF" >/dev/null
+    "-DROPEPOOL_HWY_DISABLED_TARGETS=$NATIVE_HWY_OFF"
   cmake --build build-fuzz -j "$JOBS" --target ropepool_fuzz
   rm -rf build-fuzz/corpus && mkdir -p build-fuzz/corpus && cp tests/fuzz/corpus/* build-fuzz/corpus/
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
@@ -114,7 +127,7 @@ case "${1:-}" in
     ./build/ropepool verify
     log "install + the C++ example as a downstream find_package(ropepool) project"
     cmake --install build --prefix build/install >/dev/null
-    cmake -S examples/cpp -B build/example -DCMAKE_PREFIX_PATH="$ROOT/build/install" >/dev/null
+    configure examples/cpp build/example -DCMAKE_PREFIX_PATH="$ROOT/build/install"
     cmake --build build/example -j "$JOBS"
     ./build/example/example
     log "C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
@@ -125,9 +138,9 @@ case "${1:-}" in
     test_fuzz
     if [ "$cuda" = ON ]; then
       log "CUDA backend, its test and benchmark, the Python extensions with CUDA: compiled only (sm_90)"
-      cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DROPEPOOL_WITH_CUDA=ON \
+      configure . build-cuda -DCMAKE_BUILD_TYPE=Release -DROPEPOOL_WITH_CUDA=ON \
         -DROPEPOOL_BUILD_PYTHON=ON "-DPython_EXECUTABLE=$ROOT/.venv/bin/python" \
-        -DROPEPOOL_WITH_JAX=ON -DROPEPOOL_WITH_MLX=ON "-DROPEPOOL_HWY_DISABLED_TARGETS=$NATIVE_HWY_OFF" >/dev/null
+        -DROPEPOOL_WITH_JAX=ON -DROPEPOOL_WITH_MLX=ON "-DROPEPOOL_HWY_DISABLED_TARGETS=$NATIVE_HWY_OFF"
       cmake --build build-cuda -j "$JOBS" --target ropepool_test_cuda ropepool_bench_cuda _ropepool _ropepool_mlx
     fi
     log "Python package (CUDA backend: $cuda_py) + pytest"
