@@ -1756,6 +1756,7 @@ void test_e4m3_division(Rng& rng) {
   std::string first;
   for (float s : scales) {
     ROPEPOOL_CUDA_OK(cudaMemset(d_bad.ptr, 0, 8));
+    ROPEPOOL_CUDA_OK(cudaMemset(d_first.ptr, 0, 4));  // written only on a mismatch
     for (auto [b, e] : ranges)
       e4m3_division_every_float<<<4096, 256>>>(s, b, e, static_cast<unsigned long long*>(d_bad.ptr),
                                                static_cast<unsigned*>(d_first.ptr));
@@ -1803,6 +1804,7 @@ void test_e4m3_conversion(Rng& rng) {
     std::vector<std::pair<uint64_t, uint64_t>> ranges = {{0, end}};
     if (g_sanitize) ranges = {{0, end}, {0x3a800000u, 0x3a800000u + end}, {0xc3c00000u, 0xc3c00000u + end}};
     ROPEPOOL_CUDA_OK(cudaMemset(d_count.ptr, 0, 8));
+    ROPEPOOL_CUDA_OK(cudaMemset(d_first.ptr, 0, 64));  // written only on a mismatch
     for (auto [b, e] : ranges)
       e4m3_every_float<<<1024, 256>>>(static_cast<uint32_t*>(d_thr.ptr), kind, b, e,
                                       static_cast<unsigned long long*>(d_count.ptr), static_cast<unsigned*>(d_first.ptr));
