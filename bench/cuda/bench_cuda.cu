@@ -456,9 +456,9 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
       }
       const double gbps = w.bytes() / t;
       char kernel[48];
-      std::snprintf(kernel, sizeof kernel, "%s v%d %dw%s",
+      std::snprintf(kernel, sizeof kernel, "%s v%d %dw%s%s",
                     plan.path == detail::cuda_launch::Path::Tuned ? "tuned" : plan.path == detail::cuda_launch::Path::Vector ? "vector" : "scalar",
-                    plan.pool_variant, plan.config.warps_per_cta, split ? " split" : "");
+                    plan.pool_variant, plan.config.warps_per_cta, split ? " kv2" : "", plan.q_item_units != 4 ? " q2" : "");
       char one_item[48] = "";
       if (t1 > 0) std::snprintf(one_item, sizeof one_item, "%.2f | %.2f", t1 * 1e6, tg1 * 1e6);
       std::printf("%8lld  %-40s %10.2f %9.0f %6.1f%% %10.2f %10s  %s\n", (long long)T, spec.name().c_str(), t * 1e6,

@@ -35,6 +35,7 @@ struct LaunchPlan {
   LaunchConfig config;      ///< the chosen shape
   int pool_write_mode = 0;  ///< cuda::PoolWriteMode
   int kv_items = 1;         ///< kv warp items per token (LaunchConfig::split_fp8_kv)
+  int q_item_units = 4;     ///< q units per lane per q item (cuda::kQUnits, or kQUnitsFp8)
   /// cuda::PoolVariant bits: 0 for pools in q's dtype with page size 1 (the seed's kernels);
   /// paged pools, fp8 pools and an fp8 q_out run kernels of their own.
   int pool_variant = 0;

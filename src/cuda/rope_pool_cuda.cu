@@ -257,10 +257,12 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   plan.kv_items = fp8_pool && plan.pool_write_mode != cuda::kPoolWriteLock && c.split_fp8_kv == 0 ? 2 : 1;
 
   // Work per token, in warp items (kernel header): the kv items, plus q items of
-  // 32 * kQUnits units.
+  // 32 * kQUnits units (kQUnitsFp8 with an fp8 q_out).
   const int64_t units = units_per_head(p, plan.vec_elems);
   const int64_t q_units = p.num_qo_heads * units;
-  const double items_per_token = plan.kv_items + double(q_units) / (32.0 * cuda::kQUnits);
+  const int q_item_units = fp8_q && plan.pool_write_mode != cuda::kPoolWriteLock ? cuda::kQUnitsFp8 : cuda::kQUnits;
+  plan.q_item_units = q_item_units;
+  const double items_per_token = plan.kv_items + double(q_units) / (32.0 * q_item_units);
   const int64_t kv_span = p.num_kv_heads * std::max(units, D / plan.vec_elems);
 
   // Item indices inside a CTA are int (kernel): keep them far from overflow.
@@ -340,7 +342,7 @@ KernelParams<kFreqCap, true> make_pool_params(const RopePoolProblem& p, const La
   if (p.pool_dtype != DType::Float8E4M3FN) scales[0] = scales[1] = &none;
   if (p.q_out_dtype != DType::Float8E4M3FN) scales[2] = &none;
   for (int i = 0; i < 3; ++i) x.scale_ptr[i] = scales[i]->ptr, x.scale_value[i] = scales[i]->value;
-  x.kv_items = plan.kv_items;
+  x.kv_items = plan.kv_items, x.q_units = plan.q_item_units;
   return k;
 }
 

@@ -7,7 +7,9 @@
 //    path), or one vector past rotary_dim that is copied.
 //  - Work is cut into warp-sized items: "kv rounds" (one warp rotates all num_kv_heads k
 //    heads of a token and copies all its v heads, 32 * (kKUnits, kVVecs) at a time, and alone
-//    writes the token's whole pool row) and "q chunks" of 32 * kQUnits q units.
+//    writes the token's whole pool row) and "q chunks" of 32 * kQUnits q units (kQUnitsFp8
+//    with an fp8 q_out); with an fp8 pool at T <= kMaxScanTokens the k heads and the v heads
+//    are two kv items (HeadOps::kv_items).
 //  - sin/cos of (token, frequency) are computed once into shared memory and shared by every
 //    q and k head of the token.
 //  - Pools (SPEC §6): the seed's case ([P, Hk, D] or any pool with page size 1, in q's dtype)
@@ -32,6 +34,7 @@ namespace ropepool::cuda {
 constexpr int kMaxHalfRotary = 256;  ///< inv_freq entries passed by value (rotary_dim <= 512)
 constexpr int kMaxWarpsPerCta = 8;
 constexpr int kQUnits = 4;  ///< q units per lane per item (8 vectors in flight)
+constexpr int kQUnitsFp8 = 2;  ///< the same for an fp8 q_out at small T (PoolParams::q_units)
 constexpr int kKUnits = 2;  ///< k units per lane per kv round
 constexpr int kVVecs = 4;   ///< v vectors per lane per kv round
 constexpr int kStage = 8;   ///< raw vectors a lane holds: 2*kQUnits == 2*kKUnits + kVVecs
@@ -70,6 +73,7 @@ struct PoolParams {
   int slots_fit_32_bits;  ///< pool_size <= 2^32 - 1: the page division in 32 bits
   int kv_items;  ///< fp8 pools: 1 (one kv item), or 2 (the k heads and the v heads are items of
                  ///< their own, on two warps; never in kPoolWriteLock mode)
+  int q_units;   ///< fp8 q_out: q units per lane per q item, kQUnits or (no row locks) kQUnitsFp8
 };
 
 /// SPEC §7's QK norm (a second kernel parameter of the kernels that normalise: the main
@@ -216,6 +220,7 @@ struct HeadOps {
   static constexpr bool kFp8Pool = (kPool & kPoolFp8) != 0;
   static constexpr bool kFp8QOut = (kPool & kQOutFp8) != 0;
   static_assert(kPool == 0 || kPaged, "the fp8 variants address pools by pages (page size 1 too)");
+
   // A rotating unit reads a second access (the pair's other half) except for interleaved
   // pairs inside one vector.
   static constexpr bool kTwoAccesses = !kInterleaved || kVec == 1;
@@ -471,7 +476,7 @@ struct HeadOps {
   template <int kUnits>
   __device__ __forceinline__ NormScales norm_scales(const Raw (&stage)[kStage], Cursor c, int heads,
                                                     const void* w, bool w_float32,
-                                                    const FusionParams& f) const {
+                                                    const FusionParams& f, int active = kUnits) const {
     static_assert(kUnits <= kQUnits, "NormScales holds a q chunk's units");
     NormScales n{{}, w, f.norm_gemma ? 1.0f : -0.0f, w_float32, f.norm_gemma, true};
     float sum[kUnits];
@@ -487,7 +492,7 @@ struct HeadOps {
 #pragma unroll
         for (int e = 0; e < kVec; ++e) s += x[e] * x[e];
       }
-      sum[i] = u.head < heads ? s : 0.f;
+      sum[i] = i < active && u.head < heads ? s : 0.f;  // active: a q item of kQUnitsFp8
     }
     for (int m = units_per_head >> 1; m > 0; m >>= 1) {
 #pragma unroll
@@ -527,12 +532,19 @@ struct HeadOps {
     if (s.pairs & (1u << i)) b = IO::load(s.at[i] + partner());
   }
 
-  // ---- q chunks: 32 * kQUnits consecutive units of the token's q heads ---------------------
+  // ---- q chunks: 32 * q_item_units() consecutive units of the token's q heads --------------
+  /// kQUnits, or with an fp8 q_out where no row lock is taken kQUnitsFp8 (PoolParams::q_units),
+  /// so that the e4m3 quantisation of q runs on twice the warps: at small T it is the CTA's
+  /// longest chain. Large calls keep kQUnits: more loads in flight per warp.
+  __device__ __forceinline__ int q_item_units() const {
+    if constexpr (kFp8QOut) return p.pool.q_units;
+    else return kQUnits;
+  }
   __device__ __forceinline__ int q_chunks() const {
-    return (q_units_per_token + 32 * kQUnits - 1) / (32 * kQUnits);
+    return (q_units_per_token + 32 * q_item_units() - 1) / (32 * q_item_units());
   }
   __device__ __forceinline__ Cursor q_first(int chunk) const {
-    return cursor_at(chunk * kQUnits * 32 + lane, units);
+    return cursor_at(chunk * q_item_units() * 32 + lane, units);
   }
 
   /// Addresses only (no memory access): may run before the previous grid has finished.
@@ -541,7 +553,7 @@ struct HeadOps {
     Cursor c = q_first(chunk);
 #pragma unroll
     for (int i = 0; i < kQUnits; ++i, advance(c, units))
-      add_unit(s, i, p.q, p.q_row, p.q_head, t, c, p.num_qo_heads);
+      if (i < q_item_units()) add_unit(s, i, p.q, p.q_row, p.q_head, t, c, p.num_qo_heads);
     return s;
   }
 
@@ -557,7 +569,7 @@ struct HeadOps {
     Cursor c = q_first(chunk);
 #pragma unroll
     for (int i = 0; i < kQUnits; ++i, advance(c, units)) {
-      if (c.head >= p.num_qo_heads) continue;
+      if (i >= q_item_units() || c.head >= p.num_qo_heads) continue;
       if (norm != nullptr && norm->on) norm_unit(stage[2 * i], stage[2 * i + 1], c.j, *norm, i);
       if constexpr (kFp8QOut) {
         // Both halves at once here: one half at a time spills more in the q chunks.
@@ -888,7 +900,8 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
         typename Ops::NormScales scales{};  // on = false: q has no weight
         if (norm->q_norm_weight != nullptr)
           scales = ops.template norm_scales<kQUnits>(stage, ops.q_first(item - kv_items), p.num_qo_heads,
-                                                     norm->q_norm_weight, norm->q_norm_float32, *norm);
+                                                     norm->q_norm_weight, norm->q_norm_float32, *norm,
+                                                     ops.q_item_units());
         ops.finish_q(t, item - kv_items, cos_row, sin_row, stage, Ops::kFp8QOut ? divisors + 2 : nullptr,
                      &scales);
       } else if constexpr (Ops::kFp8QOut) {

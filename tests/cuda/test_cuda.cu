@@ -1032,11 +1032,13 @@ struct PoolRun {
       }
   }
 
-  Path plan_path(int* variant = nullptr, int* warps = nullptr, int* kv_items = nullptr) const {
+  Path plan_path(int* variant = nullptr, int* warps = nullptr, int* kv_items = nullptr,
+                 int* q_units = nullptr) const {
     const auto plan = detail::cuda_launch::plan_launch(prob, cfg);
     if (variant) *variant = plan.pool_variant;
     if (warps) *warps = plan.config.warps_per_cta;
     if (kv_items) *kv_items = plan.kv_items;
+    if (q_units) *q_units = plan.q_item_units;
     return plan.path;
   }
 
@@ -1188,8 +1190,8 @@ int g_pool_cases = 0;
 /// Runs one case, prints one line: ok/FAIL, the plan (path, variant, warps), the case.
 void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   PoolRun run(pc, rng);
-  int variant = 0, warps = 0, kv_items = 0;
-  const Path path = run.plan_path(&variant, &warps, &kv_items);
+  int variant = 0, warps = 0, kv_items = 0, q_units = 0;
+  const Path path = run.plan_path(&variant, &warps, &kv_items, &q_units);
   const std::string what = std::string(group) + ": " + pc.name();
   std::string first;
   int64_t bad = 0;
@@ -1200,12 +1202,15 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   } catch (const std::exception& e) {
     bad = 1, first = std::string("threw ") + e.what();
   }
-  // The planner: an fp8 pool's k and v heads on items of their own, unless the call takes row
-  // locks (T > kMaxScanTokens, 256: src/cuda/rope_pool_kernel.cuh) or the case turns it off.
+  // The planner: where the call takes no row locks (T <= kMaxScanTokens, 256:
+  // src/cuda/rope_pool_kernel.cuh), an fp8 pool's k and v heads on items of their own (unless
+  // the case turns it off) and an fp8 q_out's q items of 2 units (kQUnitsFp8), else of 4.
   const int want_kv = pc.fp8_pool && pc.T <= 256 && !pc.no_split ? 2 : 1;
-  if (!pc.norm && kv_items != want_kv) {
+  const int want_q = pc.fp8_q && pc.T <= 256 ? 2 : 4;
+  if (!pc.norm && (kv_items != want_kv || q_units != want_q)) {
     ++bad;
-    first = "plan chose " + std::to_string(kv_items) + " kv item(s), expected " + std::to_string(want_kv) +
+    first = "plan chose " + std::to_string(kv_items) + " kv item(s) and q items of " + std::to_string(q_units) +
+            " units, expected " + std::to_string(want_kv) + " and " + std::to_string(want_q) +
             (first.empty() ? "" : "; " + first);
   }
   if (pc.expect_path >= 0 && !pc.norm && int(path) != pc.expect_path) {
@@ -1218,8 +1223,8 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   if (pc.norm)  // a norm kernel (the main kernel's variant or a fusion kernel), same pool variants
     std::printf("  %-4s norm   v%d     %s\n", bad == 0 ? "ok" : "FAIL", variant, what.c_str());
   else
-    std::printf("  %-4s %-6s v%d %dw%s  %s\n", bad == 0 ? "ok" : "FAIL", path_name(path), variant, warps,
-                kv_items == 2 ? " kv2" : "", what.c_str());
+    std::printf("  %-4s %-6s v%d %dw%s%s  %s\n", bad == 0 ? "ok" : "FAIL", path_name(path), variant, warps,
+                kv_items == 2 ? " kv2" : "", q_units != 4 ? " q2" : "", what.c_str());
 }
 
 void test_paged_layouts(Rng& rng) {
@@ -1333,6 +1338,10 @@ void test_fp8_q_out(Rng& rng) {
         c.fp8_pool = fp8_pool, c.k_scale = 0.5f, c.v_scale = 0.11f;
         c.fp8_q = true, c.q_scale = D == 34 ? 0.004f : 0.05f, c.scale_ptrs = D != 128, c.specials = il;
         run_pool_case(c, rng, "q8");
+        if (D == 128 && !g_sanitize) {  // the lock mode's launch (T > 256), Llama's heads
+          c.T = 300, c.Hq = 32, c.Hk = 8;
+          run_pool_case(c, rng, "q8");
+        }
       }
 }
 
