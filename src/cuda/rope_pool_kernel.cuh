@@ -220,7 +220,6 @@ struct HeadOps {
   static constexpr bool kFp8Pool = (kPool & kPoolFp8) != 0;
   static constexpr bool kFp8QOut = (kPool & kQOutFp8) != 0;
   static_assert(kPool == 0 || kPaged, "the fp8 variants address pools by pages (page size 1 too)");
-
   // A rotating unit reads a second access (the pair's other half) except for interleaved
   // pairs inside one vector.
   static constexpr bool kTwoAccesses = !kInterleaved || kVec == 1;
