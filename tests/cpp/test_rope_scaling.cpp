@@ -30,12 +30,14 @@ struct Json {
   int64_t i = 0;
   double f = 0;
   std::string s;
-  std::vector<Json> items;
-  std::vector<std::pair<std::string, Json>> members;  // in file order
+  std::vector<Json> items;  // an array's elements, or an object's values
+  // An object's keys, in file order, keys[n] naming items[n] (two vectors: a vector of
+  // pair<string, Json> inside Json needs a complete Json, which clang's libstdc++ checks).
+  std::vector<std::string> keys;
 
   const Json* get(const std::string& key) const {
-    for (const auto& [k, v] : members)
-      if (k == key) return &v;
+    for (size_t n = 0; n < keys.size(); ++n)
+      if (keys[n] == key) return &items[n];
     return nullptr;
   }
 };
@@ -121,7 +123,8 @@ class Reader {
       std::string key = string();
       skip();
       ++p_;  // ':'
-      j.members.emplace_back(key, value());
+      j.keys.push_back(key);
+      j.items.push_back(value());
       skip();
       if (t_[p_++] == '}') return j;
     }
@@ -192,7 +195,7 @@ std::string run_case(const Json& c) {
   if (const Json* v = kw.get("mrope_interleaved")) context.mrope_interleaved = v->b;
   ScalingEntries entries;
   if (const Json* rs = c.get("rope_scaling"))
-    for (const auto& [k, v] : rs->members) entries.emplace_back(k, to_value(v));
+    for (size_t n = 0; n < rs->keys.size(); ++n) entries.emplace_back(rs->keys[n], to_value(rs->items[n]));
   try {
     p.rope_scaling = parse_rope_scaling(entries, context);
     make_rope_schedule(p);
