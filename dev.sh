@@ -11,7 +11,7 @@
 # step reconfigures another's. Tests labelled `gpu` need a GPU: built here, run by
 # scripts/gpu_check.sh. The plain build compiles and tests the CPU kernel on every Highway
 # target; the sanitizer, fuzzing and CUDA builds compile fewer (SANITIZE_HWY_OFF, NATIVE_HWY_OFF
-# below); every folder builds with Ninja (configure): the whole run takes about 29 minutes on
+# below); every folder builds with Ninja (configure): the whole run takes 25-30 minutes on
 # two cores.
 set -euo pipefail
 cd "$(dirname "$0")"
