@@ -253,16 +253,17 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
                                                      : cuda::kPoolWriteLock;
   // An fp8 pool's k heads and v heads as two items where no row lock is taken: at small T the
   // e4m3 quantisation of a token's kv row is the longest chain of its CTA (docs/CUDA.md).
+  // An fp8 q_out likewise gets q items of kQUnitsFp8 units there.
   assert(c.split_fp8_kv == 0 || c.split_fp8_kv == -1);
-  plan.kv_items = fp8_pool && plan.pool_write_mode != cuda::kPoolWriteLock && c.split_fp8_kv == 0 ? 2 : 1;
+  const bool no_row_lock = plan.pool_write_mode != cuda::kPoolWriteLock;
+  plan.kv_items = fp8_pool && no_row_lock && c.split_fp8_kv == 0 ? 2 : 1;
+  plan.q_item_units = fp8_q && no_row_lock ? cuda::kQUnitsFp8 : cuda::kQUnits;
 
   // Work per token, in warp items (kernel header): the kv items, plus q items of
-  // 32 * kQUnits units (kQUnitsFp8 with an fp8 q_out).
+  // 32 * plan.q_item_units units.
   const int64_t units = units_per_head(p, plan.vec_elems);
   const int64_t q_units = p.num_qo_heads * units;
-  const int q_item_units = fp8_q && plan.pool_write_mode != cuda::kPoolWriteLock ? cuda::kQUnitsFp8 : cuda::kQUnits;
-  plan.q_item_units = q_item_units;
-  const double items_per_token = plan.kv_items + double(q_units) / (32.0 * q_item_units);
+  const double items_per_token = plan.kv_items + double(q_units) / (32.0 * plan.q_item_units);
   const int64_t kv_span = p.num_kv_heads * std::max(units, D / plan.vec_elems);
 
   // Item indices inside a CTA are int (kernel): keep them far from overflow.
