@@ -676,6 +676,67 @@ HWY_INLINE void RotateRowToE4M3(const typename E::T* x, uint8_t* out, const floa
   if (rotary_dim < head_dim) QuantizeRow<E>(x + rotary_dim, out + rotary_dim, head_dim - rotary_dim, d);
 }
 
+#if HWY_TARGET != HWY_SCALAR
+// The e4m3 codes of 2N elements held as (even, odd) float vectors (the bf16 split of the file
+// comment), in memory order: lane j's code pair (even | odd << 8) truncated to 16 bits is
+// bytes 2j and 2j + 1.
+HWY_INLINE void StoreE4M3EvenOdd(DF df, VF even, VF odd, uint8_t* p) {
+  const auto pairs = hn::Or(E4M3Code(df, even), hn::ShiftLeft<8>(E4M3Code(df, odd)));
+  const auto bytes = hn::BitCast(hn::Repartition<uint8_t, DU16>(), hn::TruncateTo(DU16(), pairs));
+  hn::StoreU(bytes, hn::Repartition<uint8_t, DU16>(), p);
+}
+
+// QuantizeRow for a bfloat16 row (v): 2N elements per step through the even/odd split.
+HWY_INLINE void QuantizeRowBF16(const uint16_t* in, uint8_t* out, int64_t n, const Divisor& d) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    VF even, odd;
+    LoadBF16EvenOdd(in + i, even, odd);
+    StoreE4M3EvenOdd(df, Scaled(df, even, d), Scaled(df, odd, d), out + i);
+  }
+  QuantizeRow<BFloat16>(in + i, out + i, n - i, d);
+}
+
+// A bfloat16 k head with half-split pairs and an fp8 pool, for R/2 a multiple of 2N: the
+// rotation of RotateRowBF16 (table in its (even, odd) order), k_rot rounded and stored as it
+// stores it, and the same float32 registers, before that rounding, divided by the scale and
+// quantised into the pool row (`pool` may be null: no slot). No float32 row in between; the
+// pass-through elements are copied and quantised as read.
+HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t* pool,
+                                      const float* HWY_RESTRICT cos_t,
+                                      const float* HWY_RESTRICT sin_t, int64_t rotary_dim,
+                                      int64_t head_dim, bool stream, const Divisor& d) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const int64_t half = rotary_dim / 2;
+  const size_t vec_bytes = size_t(2 * N) * sizeof(uint16_t);
+  const bool stream_here = stream && size_t(half) * sizeof(uint16_t) % vec_bytes == 0 &&
+                           Aligned(out, vec_bytes);
+  for (int64_t i = 0; i < half; i += 2 * N) {
+    VF a_even, a_odd, b_even, b_odd;
+    LoadBF16EvenOdd(x + i, a_even, a_odd);
+    LoadBF16EvenOdd(x + half + i, b_even, b_odd);
+    const VF c_even = hn::LoadU(df, cos_t + i), c_odd = hn::LoadU(df, cos_t + i + N);
+    const VF s_even = hn::LoadU(df, sin_t + i), s_odd = hn::LoadU(df, sin_t + i + N);
+    const VF lo_even = hn::MulSub(a_even, c_even, hn::Mul(b_even, s_even));
+    const VF lo_odd = hn::MulSub(a_odd, c_odd, hn::Mul(b_odd, s_odd));
+    const VF hi_even = hn::MulAdd(a_even, s_even, hn::Mul(b_even, c_even));
+    const VF hi_odd = hn::MulAdd(a_odd, s_odd, hn::Mul(b_odd, c_odd));
+    StoreU16(PackBF16EvenOdd(lo_even, lo_odd), out + i, stream_here);
+    StoreU16(PackBF16EvenOdd(hi_even, hi_odd), out + half + i, stream_here);
+    if (pool) {
+      StoreE4M3EvenOdd(df, Scaled(df, lo_even, d), Scaled(df, lo_odd, d), pool + i);
+      StoreE4M3EvenOdd(df, Scaled(df, hi_even, d), Scaled(df, hi_odd, d), pool + half + i);
+    }
+  }
+  copy_pass_through(x, out, static_cast<uint16_t*>(nullptr), rotary_dim, head_dim);
+  if (pool && rotary_dim < head_dim)
+    QuantizeRowBF16(x + rotary_dim, pool + rotary_dim, head_dim - rotary_dim, d);
+}
+#endif
+
 // kQuant: an fp8 pool and/or an fp8 q_rot (SPEC §6). Heads whose outputs are all in q's
 // dtype take the plain path; a k head with fp8 pools is rotated into a float32 row that is
 // rounded to q's dtype (k_rot: the plain path's bits) and quantised (the pool row); an fp8
@@ -811,7 +872,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
   // quantised into this staging row (it stays in L1) and then streamed out, so its lines
   // are not read for ownership first.
   thread_local std::vector<uint8_t> e4m3_stage;
-  bool fp8_pool = false, fp8_q = false;
+  bool fp8_pool = false, fp8_q = false, fused_k = false;
   Divisor k_div(1.0f), v_div(1.0f), q_div(1.0f);
   if constexpr (kQuant) {
     fp8_pool = p.pool_dtype == DType::Float8E4M3FN;
@@ -822,6 +883,9 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     if (rotated.size() < size_t(D)) rotated.resize(size_t(D));
     if (e4m3_stage.size() < size_t(D)) e4m3_stage.resize(size_t(D));
     if (kBF16) {
+      // fp8-pool k heads of whole (even, odd) chunks rotate straight from the bf16 tables
+      const int64_t chunk = 2 * static_cast<int64_t>(hn::Lanes(DF()));
+      fused_k = fp8_pool && !p.interleaved && (R / 2) % chunk == 0 && kEvenOddBF16;
       if (plain_table.size() < size_t(6 * n)) plain_table.resize(size_t(6 * n));
       cos_p = plain_table.data();
       sin_p = cos_p + n;
@@ -859,7 +923,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
           sin_pil[2 * i] = -sin_t[i];
           sin_pil[2 * i + 1] = sin_t[i];
         }
-      } else {  // undo PermuteForBF16 (cheaper than a second table)
+      } else if (fp8_q || !fused_k) {  // undo PermuteForBF16 (cheaper than a second table)
         const int64_t N = static_cast<int64_t>(hn::Lanes(DF())), half = R / 2;
         int64_t i = 0;
         for (; i + 2 * N <= half; i += 2 * N)
@@ -945,6 +1009,27 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
       const int64_t kv = h - Hq;
       const T* x = k_norm ? norm(row(p.k, t, kv), 1, h) : row(p.k, t, kv);
       if (kQuant && fp8_pool) {
+#if HWY_TARGET != HWY_SCALAR
+        if constexpr (kBF16) {
+          if (fused_k) {
+            uint8_t* k_dst = nullptr;
+            uint8_t* v_dst = nullptr;
+            if (slot >= 0) {
+              k_dst = reinterpret_cast<uint8_t*>(PoolRow(p.k_pool, page, page_row, kv, 1));
+              v_dst = reinterpret_cast<uint8_t*>(PoolRow(p.v_pool, page, page_row, kv, 1));
+            }
+            uint8_t* stage = e4m3_stage.data();
+            RotateRowBF16WithE4M3(x, row(p.k_out, t, kv), k_dst && stream ? stage : k_dst, cos_t,
+                                  sin_t, R, D, stream, k_div);
+            if (k_dst) {
+              if (stream) CopyBytes(k_dst, stage, size_t(D), true);
+              QuantizeRowBF16(row(p.v, t, kv), stream ? stage : v_dst, D, v_div);
+              if (stream) CopyBytes(v_dst, stage, size_t(D), true);
+            }
+            continue;
+          }
+        }
+#endif
         float* f = rotated.data();
         RotateRowToFloat<E>(x, f, cos_p, sin_p, cos_pil, sin_pil, R, D, p.interleaved);
         DemoteRowTo<E>(f, row(p.k_out, t, kv), D, stream);
@@ -954,7 +1039,12 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
           uint8_t* stage = e4m3_stage.data();
           QuantizeRow<Float32>(f, stream ? stage : k_dst, D, k_div);
           if (stream) CopyBytes(k_dst, stage, size_t(D), true);
-          QuantizeRow<E>(row(p.v, t, kv), stream ? stage : v_dst, D, v_div);
+#if HWY_TARGET != HWY_SCALAR
+          if constexpr (kBF16)
+            QuantizeRowBF16(row(p.v, t, kv), stream ? stage : v_dst, D, v_div);
+          else
+#endif
+            QuantizeRow<E>(row(p.v, t, kv), stream ? stage : v_dst, D, v_div);
           if (stream) CopyBytes(v_dst, stage, size_t(D), true);
         }
         continue;
