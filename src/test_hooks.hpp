@@ -31,6 +31,8 @@ void demote_row_hwy(DType dtype, const float* in, void* out, int64_t n);
 void promote_row_hwy(DType dtype, const void* in, float* out, int64_t n);
 /// out[i] = e4m3(in[i] / scale) with the kernels' vector quantisation (SPEC §6's rule).
 void quantize_e4m3_row_hwy(const float* in, uint8_t* out, int64_t n, float scale);
+/// The same for a bfloat16 row (the kernels' path for v rows of bfloat16 inputs).
+void quantize_e4m3_bf16_row_hwy(const uint16_t* in, uint8_t* out, int64_t n, float scale);
 /// The Highway target the CPU kernel dispatches to now, e.g. "AVX3".
 const char* hwy_target_name();
 

@@ -679,23 +679,46 @@ HWY_INLINE void RotateRowToE4M3(const typename E::T* x, uint8_t* out, const floa
 #if HWY_TARGET != HWY_SCALAR
 // The e4m3 codes of 2N elements held as (even, odd) float vectors (the bf16 split of the file
 // comment), in memory order: lane j's code pair (even | odd << 8) truncated to 16 bits is
-// bytes 2j and 2j + 1.
-HWY_INLINE void StoreE4M3EvenOdd(DF df, VF even, VF odd, uint8_t* p) {
-  const auto pairs = hn::Or(E4M3Code(df, even), hn::ShiftLeft<8>(E4M3Code(df, odd)));
-  const auto bytes = hn::BitCast(hn::Repartition<uint8_t, DU16>(), hn::TruncateTo(DU16(), pairs));
-  hn::StoreU(bytes, hn::Repartition<uint8_t, DU16>(), p);
+// bytes 2j and 2j + 1 (half a vector of bytes).
+HWY_INLINE VU16 E4M3EvenOdd(DF df, VF even, VF odd) {
+  return hn::TruncateTo(DU16(), hn::Or(E4M3Code(df, even), hn::ShiftLeft<8>(E4M3Code(df, odd))));
 }
 
-// QuantizeRow for a bfloat16 row (v): 2N elements per step through the even/odd split.
-HWY_INLINE void QuantizeRowBF16(const uint16_t* in, uint8_t* out, int64_t n, const Divisor& d) {
+using DU8Full = hn::Repartition<uint8_t, DF>;
+
+// Stores the codes of 2N elements (half a vector).
+HWY_INLINE void StoreE4M3Half(VU16 codes, uint8_t* p) {
+  hn::StoreU(hn::BitCast(hn::Repartition<uint8_t, DU16>(), codes), hn::Repartition<uint8_t, DU16>(), p);
+}
+
+// Stores the codes of 4N elements, [0, 2N) in `lower`, as one full vector: a non-temporal
+// store where `stream` (p vector-aligned). The e4m3 rows are written this way, straight from
+// registers, rather than through a staging row in L1: two half-vector stores read back as one
+// full vector miss store-to-load forwarding, which stalled the staging copy.
+HWY_INLINE void StoreE4M3Full(VU16 lower, VU16 upper, uint8_t* p, bool stream) {
+  const auto bytes = hn::BitCast(DU8Full(), hn::Combine(DU16Full(), upper, lower));
+  if constexpr (kCanStream) {
+    if (stream) return hn::Stream(bytes, DU8Full(), p);
+  }
+  (void)stream;
+  hn::StoreU(bytes, DU8Full(), p);
+}
+
+// QuantizeRow for a bfloat16 row (v): 4N elements per step through the even/odd split (the
+// stores non-temporal where `stream` and `out` is vector-aligned), then 2N, then the rest.
+HWY_INLINE void QuantizeRowBF16(const uint16_t* in, uint8_t* out, int64_t n, const Divisor& d,
+                                bool stream) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  stream = stream && Aligned(out, size_t(4 * N));
   int64_t i = 0;
-  for (; i + 2 * N <= n; i += 2 * N) {
+  auto codes = [&](int64_t at) {
     VF even, odd;
-    LoadBF16EvenOdd(in + i, even, odd);
-    StoreE4M3EvenOdd(df, Scaled(df, even, d), Scaled(df, odd, d), out + i);
-  }
+    LoadBF16EvenOdd(in + at, even, odd);
+    return E4M3EvenOdd(df, Scaled(df, even, d), Scaled(df, odd, d));
+  };
+  for (; i + 4 * N <= n; i += 4 * N) StoreE4M3Full(codes(i), codes(i + 2 * N), out + i, stream);
+  for (; i + 2 * N <= n; i += 2 * N) StoreE4M3Half(codes(i), out + i);
   QuantizeRow<BFloat16>(in + i, out + i, n - i, d);
 }
 
@@ -703,7 +726,8 @@ HWY_INLINE void QuantizeRowBF16(const uint16_t* in, uint8_t* out, int64_t n, con
 // rotation of RotateRowBF16 (table in its (even, odd) order), k_rot rounded and stored as it
 // stores it, and the same float32 registers, before that rounding, divided by the scale and
 // quantised into the pool row (`pool` may be null: no slot). No float32 row in between; the
-// pass-through elements are copied and quantised as read.
+// pass-through elements are copied and quantised as read. `stream`: non-temporal stores for
+// k_rot and the pool row where they are vector-aligned.
 HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t* pool,
                                       const float* HWY_RESTRICT cos_t,
                                       const float* HWY_RESTRICT sin_t, int64_t rotary_dim,
@@ -714,7 +738,11 @@ HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t*
   const size_t vec_bytes = size_t(2 * N) * sizeof(uint16_t);
   const bool stream_here = stream && size_t(half) * sizeof(uint16_t) % vec_bytes == 0 &&
                            Aligned(out, vec_bytes);
-  for (int64_t i = 0; i < half; i += 2 * N) {
+  // the pool row in whole vectors of 4N codes: both halves start vector-aligned
+  const bool stream_pool = stream && pool && half % (4 * N) == 0 && Aligned(pool, size_t(4 * N));
+  // One chunk of 2N pairs at i: k_rot stored, the e4m3 codes of [i, i + 2N) and
+  // [half + i, half + i + 2N) returned.
+  auto chunk = [&](int64_t i, VU16& lo_codes, VU16& hi_codes) {
     VF a_even, a_odd, b_even, b_odd;
     LoadBF16EvenOdd(x + i, a_even, a_odd);
     LoadBF16EvenOdd(x + half + i, b_even, b_odd);
@@ -727,13 +755,30 @@ HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t*
     StoreU16(PackBF16EvenOdd(lo_even, lo_odd), out + i, stream_here);
     StoreU16(PackBF16EvenOdd(hi_even, hi_odd), out + half + i, stream_here);
     if (pool) {
-      StoreE4M3EvenOdd(df, Scaled(df, lo_even, d), Scaled(df, lo_odd, d), pool + i);
-      StoreE4M3EvenOdd(df, Scaled(df, hi_even, d), Scaled(df, hi_odd, d), pool + half + i);
+      lo_codes = E4M3EvenOdd(df, Scaled(df, lo_even, d), Scaled(df, lo_odd, d));
+      hi_codes = E4M3EvenOdd(df, Scaled(df, hi_even, d), Scaled(df, hi_odd, d));
+    }
+  };
+  VU16 lo0, hi0, lo1, hi1;
+  int64_t i = 0;
+  if (pool) {
+    for (; i + 4 * N <= half; i += 4 * N) {
+      chunk(i, lo0, hi0);
+      chunk(i + 2 * N, lo1, hi1);
+      StoreE4M3Full(lo0, lo1, pool + i, stream_pool);
+      StoreE4M3Full(hi0, hi1, pool + half + i, stream_pool);
+    }
+  }
+  for (; i < half; i += 2 * N) {
+    chunk(i, lo0, hi0);
+    if (pool) {
+      StoreE4M3Half(lo0, pool + i);
+      StoreE4M3Half(hi0, pool + half + i);
     }
   }
   copy_pass_through(x, out, static_cast<uint16_t*>(nullptr), rotary_dim, head_dim);
   if (pool && rotary_dim < head_dim)
-    QuantizeRowBF16(x + rotary_dim, pool + rotary_dim, head_dim - rotary_dim, d);
+    QuantizeRowBF16(x + rotary_dim, pool + rotary_dim, head_dim - rotary_dim, d, stream_pool);
 }
 #endif
 
@@ -1018,14 +1063,8 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
               k_dst = reinterpret_cast<uint8_t*>(PoolRow(p.k_pool, page, page_row, kv, 1));
               v_dst = reinterpret_cast<uint8_t*>(PoolRow(p.v_pool, page, page_row, kv, 1));
             }
-            uint8_t* stage = e4m3_stage.data();
-            RotateRowBF16WithE4M3(x, row(p.k_out, t, kv), k_dst && stream ? stage : k_dst, cos_t,
-                                  sin_t, R, D, stream, k_div);
-            if (k_dst) {
-              if (stream) CopyBytes(k_dst, stage, size_t(D), true);
-              QuantizeRowBF16(row(p.v, t, kv), stream ? stage : v_dst, D, v_div);
-              if (stream) CopyBytes(v_dst, stage, size_t(D), true);
-            }
+            RotateRowBF16WithE4M3(x, row(p.k_out, t, kv), k_dst, cos_t, sin_t, R, D, stream, k_div);
+            if (v_dst) QuantizeRowBF16(row(p.v, t, kv), v_dst, D, v_div, stream);
             continue;
           }
         }
@@ -1041,7 +1080,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
           if (stream) CopyBytes(k_dst, stage, size_t(D), true);
 #if HWY_TARGET != HWY_SCALAR
           if constexpr (kBF16)
-            QuantizeRowBF16(row(p.v, t, kv), stream ? stage : v_dst, D, v_div);
+            QuantizeRowBF16(row(p.v, t, kv), stream ? stage : v_dst, D, v_div, false);
           else
 #endif
             QuantizeRow<E>(row(p.v, t, kv), stream ? stage : v_dst, D, v_div);
@@ -1122,6 +1161,14 @@ void QuantizeE4M3Row(const float* in, uint8_t* out, int64_t n, float scale) {
   QuantizeRow<Float32>(in, out, n, Divisor(scale));
 }
 
+void QuantizeE4M3BF16Row(const uint16_t* in, uint8_t* out, int64_t n, float scale) {
+#if HWY_TARGET != HWY_SCALAR
+  QuantizeRowBF16(in, out, n, Divisor(scale), false);
+#else
+  QuantizeRow<BFloat16>(in, out, n, Divisor(scale));
+#endif
+}
+
 void PromoteRow(DType dtype, const void* in, float* out, int64_t n) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
@@ -1156,9 +1203,14 @@ HWY_EXPORT(SinCosTable);
 HWY_EXPORT(DemoteRow);
 HWY_EXPORT(PromoteRow);
 HWY_EXPORT(QuantizeE4M3Row);
+HWY_EXPORT(QuantizeE4M3BF16Row);
 
 void quantize_e4m3_row_hwy(const float* in, uint8_t* out, int64_t n, float scale) {
   HWY_DYNAMIC_DISPATCH(QuantizeE4M3Row)(in, out, n, scale);
+}
+
+void quantize_e4m3_bf16_row_hwy(const uint16_t* in, uint8_t* out, int64_t n, float scale) {
+  HWY_DYNAMIC_DISPATCH(QuantizeE4M3BF16Row)(in, out, n, scale);
 }
 
 void run_block_hwy(const CallPlan& plan, const Block& block) {

@@ -6,13 +6,17 @@
 //                           threads and both store paths: the whole call contract of the
 //                           test kit, "last token wins" for repeated slots, and agreement
 //                           with a plain scalar evaluation up to float rounding.
-//   DemoteIsExhaustive      float32 -> float16/bfloat16 of every float32 bit pattern (in
-//                           shards, so ctest spreads them over the cores), and every 16-bit
-//                           pattern widened back.
+//   DemoteIsExhaustive      float32 -> float16/bfloat16 and float32 -> e4m3fn of every
+//                           float32 bit pattern (in shards, so ctest spreads them over the
+//                           cores), and every 16-bit pattern widened back.
 //   E4M3OnEveryBoundary     the vector float32 -> e4m3fn quantisation (x / scale, SPEC §6)
 //                           against ropepool::float_to_e4m3: every rounding boundary of every
 //                           code (midpoints and their float32 neighbours), saturation, NaN,
-//                           subnormals, with several scales, and every 256th float32 pattern.
+//                           subnormals, with several scales, and every 256th float32 pattern;
+//                           every bfloat16 pattern through the bf16 row path (v rows).
+//   Fp8KPoolIsTheRotation   bfloat16 k heads into fp8 pools: the pool row is e4m3 of the
+//                           float32 rotation bit for bit (the same call in float32 gives that
+//                           rotation as k_rot), whole (even, odd) chunks or not.
 //   CachesMatchReference    paged (NHD/HND, page sizes 1, 5, 16) and combined-cache pools,
 //                           fp8 pools and fp8 q_rot, 1-3 threads: the test kit's whole-call
 //                           contract.
@@ -292,11 +296,18 @@ void demote_is_exhaustive(const char* target, int shard) {
   ASSERT_STREQ(detail::cpu::hwy_target_name(), target);
   std::vector<float> in(1 << 20);
   std::vector<uint16_t> out(1 << 20);
+  std::vector<uint8_t> out8(1 << 20);
   int64_t bad = 0;
   const uint64_t per_shard = (uint64_t(1) << 32) / kDemoteShards;
   for (uint64_t base = per_shard * uint64_t(shard); base < per_shard * uint64_t(shard + 1);
        base += in.size() * kDemoteBlockStride) {
     for (size_t i = 0; i < in.size(); ++i) in[i] = bits_float(uint32_t(base + i));
+    // e4m3 (scale 1: the division is exact), every pattern
+    detail::cpu::quantize_e4m3_row_hwy(in.data(), out8.data(), int64_t(in.size()), 1.0f);
+    for (size_t i = 0; i < in.size(); ++i)
+      if (out8[i] != float_to_e4m3(in[i]) && ++bad <= 5)
+        ADD_FAILURE() << "e4m3: " << std::hex << uint32_t(base + i) << " -> " << int(out8[i])
+                      << ", want " << int(float_to_e4m3(in[i]));
     for (DType dt : {DType::Float16, DType::BFloat16}) {
       detail::cpu::demote_row_hwy(dt, in.data(), out.data(), int64_t(in.size()));
       for (size_t i = 0; i < in.size(); ++i) {
@@ -376,7 +387,96 @@ void e4m3_on_every_boundary(const char* target) {
         ADD_FAILURE() << "e4m3 of bits 0x" << std::hex << float_bits(sweep[i]) << " = 0x"
                       << int(out[i]) << ", want 0x" << int(float_to_e4m3(sweep[i]));
   }
+  // every bfloat16 pattern through the bf16 row (even/odd split on vector targets)
+  std::vector<uint16_t> all16(1 << 16);
+  std::iota(all16.begin(), all16.end(), 0);
+  out.resize(all16.size());
+  for (float scale : {1.0f, 0x1p-6f, 0.3f, 3.0f, 1.0f / 448.0f, 1e20f}) {
+    // rows of many lengths, so whole vectors, half vectors and the scalar tail all run
+    for (size_t at = 0, len = 1; at < all16.size(); at += len, len = len % 97 + 13)
+      detail::cpu::quantize_e4m3_bf16_row_hwy(all16.data() + at, out.data() + at,
+                                              int64_t(std::min(len, all16.size() - at)), scale);
+    for (size_t i = 0; i < all16.size(); ++i) {
+      const uint8_t want = float_to_e4m3(bf16_to_float(all16[i]) / scale);
+      if (out[i] != want && ++bad <= 5)
+        ADD_FAILURE() << "e4m3 of bf16 0x" << std::hex << all16[i] << " / " << scale << " = 0x"
+                      << int(out[i]) << ", want 0x" << int(want);
+    }
+  }
   EXPECT_EQ(bad, 0);
+}
+
+// The bench and the kit check a k pool row only within one e4m3 step of the exact value (k_rot
+// is rounded). Here the row must be e4m3(f / k_scale) exactly, f the float32 rotation: the same
+// call in float32 (bf16 inputs widened) rotates with the same float32 operations and returns f
+// as k_rot, so its pool row is e4m3(k_rot / k_scale) and the bf16 call's the same bytes.
+void fp8_k_pool_is_the_rotation(const char* target) {
+  ASSERT_STREQ(detail::cpu::hwy_target_name(), target);
+  Rng rng(fresh_seed());
+  SCOPED_TRACE("seed " + std::to_string(rng.seed()) + " (replay: ROPEPOOL_TEST_SEED)");
+  // head sizes whose R/2 is a whole number of (even, odd) chunks on every target, and not
+  const int64_t dims[][2] = {{128, 128}, {256, 256}, {128, 64}, {40, 40}, {96, 72}};
+  for (const auto& dim : dims)
+    for (double k_scale : {0.015625, 0.02, 1.7}) {
+      Shape s;
+      s.dtype = DType::BFloat16;
+      s.num_tokens = 23;
+      s.num_qo_heads = 2;
+      s.num_kv_heads = 3;
+      s.head_dim = dim[0];
+      s.rotary_dim = dim[1];
+      s.pool_size = 40;
+      s.pool_dtype = DType::Float8E4M3FN;
+      s.k_scale = k_scale;
+      s.v_scale = 0.7;
+      Case b(s);
+      b.randomize(rng);
+      // values of every magnitude class: k * 2^e for e in [-30, 30] saturates, goes subnormal
+      for (int64_t t = 0; t < s.num_tokens; ++t)
+        for (int64_t h = 0; h < s.num_kv_heads; ++h)
+          for (int64_t d = 0; d < s.head_dim; ++d)
+            store(b.tensors.k, t, h, d,
+                  float(load(b.tensors.k, t, h, d) * std::ldexp(1.0, int(rng() % 61) - 30)));
+      Shape s32 = s;
+      s32.dtype = DType::Float32;
+      Case f(s32);
+      f.randomize(rng);
+      for (int64_t t = 0; t < s.num_tokens; ++t) {
+        f.set_position(t, b.position(t));
+        f.set_slot(t, b.slot(t));
+        for (int64_t h = 0; h < s.num_kv_heads; ++h)
+          for (int64_t d = 0; d < s.head_dim; ++d) {
+            store(f.tensors.k, t, h, d, float(load(b.tensors.k, t, h, d)));
+            store(f.tensors.v, t, h, d, float(load(b.tensors.v, t, h, d)));
+          }
+      }
+      ASSERT_NO_THROW(rope_pool_fused(b.tensors, b.params));
+      ASSERT_NO_THROW(rope_pool_fused(f.tensors, f.params));
+      const float scale = float(k_scale);
+      int64_t bad = 0, checked = 0;
+      for (int64_t t = 0; t < s.num_tokens; ++t) {
+        const int64_t slot = b.slot(t);
+        if (slot < 0) continue;
+        for (int64_t h = 0; h < s.num_kv_heads; ++h)
+          for (int64_t d = 0; d < s.head_dim; ++d) {
+            const TensorView& bp = b.tensors.k_pool;
+            const TensorView& fp = f.tensors.k_pool;
+            const uint8_t got = static_cast<const uint8_t*>(
+                bp.data)[slot * bp.strides[0] + h * bp.strides[1] + d * bp.strides[2]];
+            const uint8_t got32 = static_cast<const uint8_t*>(
+                fp.data)[slot * fp.strides[0] + h * fp.strides[1] + d * fp.strides[2]];
+            const uint8_t want = float_to_e4m3(float(load(f.tensors.k_out, t, h, d)) / scale);
+            ++checked;
+            if ((got != want || got32 != want) && ++bad <= 5)
+              ADD_FAILURE() << "D " << dim[0] << " R " << dim[1] << " k_scale " << k_scale
+                            << " token " << t << " head " << h << " d " << d << ": bf16 call 0x"
+                            << std::hex << int(got) << ", float32 call 0x" << int(got32)
+                            << ", want 0x" << int(want);
+          }
+      }
+      EXPECT_GT(checked, 0);
+      ASSERT_EQ(bad, 0);
+    }
 }
 
 void caches_match_reference(const char* target) {
@@ -448,6 +548,7 @@ void KernelMatchesReference() { kernel_matches_reference(hwy::TargetName(HWY_TAR
 void DemoteIsExhaustive(int shard) { demote_is_exhaustive(hwy::TargetName(HWY_TARGET), shard); }
 void E4M3OnEveryBoundary() { e4m3_on_every_boundary(hwy::TargetName(HWY_TARGET)); }
 void CachesMatchReference() { caches_match_reference(hwy::TargetName(HWY_TARGET)); }
+void Fp8KPoolIsTheRotation() { fp8_k_pool_is_the_rotation(hwy::TargetName(HWY_TARGET)); }
 
 }  // namespace ropepool::test::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
@@ -461,6 +562,7 @@ HWY_BEFORE_TEST(CpuTarget);
 HWY_EXPORT_AND_TEST_P(CpuTarget, KernelMatchesReference);
 HWY_EXPORT_AND_TEST_P(CpuTarget, E4M3OnEveryBoundary);
 HWY_EXPORT_AND_TEST_P(CpuTarget, CachesMatchReference);
+HWY_EXPORT_AND_TEST_P(CpuTarget, Fp8KPoolIsTheRotation);
 
 class CpuTargetShard : public hwy::TestWithParamTargetAndT<int> {};
 HWY_TARGET_INSTANTIATE_TEST_SUITE_P_T(CpuTargetShard, ::testing::Range(0, kDemoteShards));
