@@ -299,6 +299,24 @@ HWY_INLINE void StoreU16(hn::Vec<DU16Full> bits, uint16_t* p, bool stream) {
   hn::StoreU(bits, DU16Full(), p);
 }
 
+// The 2N half-split pairs of a bfloat16 head at i, rotated with the table in (even, odd) order:
+// the first halves' results (lo) and the second halves' (hi), as (even, odd) float vectors.
+HWY_INLINE void RotateChunkBF16(const uint16_t* x, int64_t half, int64_t i, const float* HWY_RESTRICT cos_t,
+                                const float* HWY_RESTRICT sin_t, VF& lo_even, VF& lo_odd, VF& hi_even,
+                                VF& hi_odd) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  VF a_even, a_odd, b_even, b_odd;
+  LoadBF16EvenOdd(x + i, a_even, a_odd);
+  LoadBF16EvenOdd(x + half + i, b_even, b_odd);
+  const VF c_even = hn::LoadU(df, cos_t + i), c_odd = hn::LoadU(df, cos_t + i + N);
+  const VF s_even = hn::LoadU(df, sin_t + i), s_odd = hn::LoadU(df, sin_t + i + N);
+  lo_even = hn::MulSub(a_even, c_even, hn::Mul(b_even, s_even));
+  lo_odd = hn::MulSub(a_odd, c_odd, hn::Mul(b_odd, s_odd));
+  hi_even = hn::MulAdd(a_even, s_even, hn::Mul(b_even, c_even));
+  hi_odd = hn::MulAdd(a_odd, s_odd, hn::Mul(b_odd, c_odd));
+}
+
 // bfloat16, half-split pairs, with the table in (even, odd) order per chunk of 2N pairs (see
 // the file comment); the pairs past the last whole chunk take the generic path.
 HWY_INLINE void RotateRowBF16(const uint16_t* x, uint16_t* out, uint16_t* out2,
@@ -312,15 +330,9 @@ HWY_INLINE void RotateRowBF16(const uint16_t* x, uint16_t* out, uint16_t* out2,
                      Aligned(out, vec_bytes) && (out2 == nullptr || Aligned(out2, vec_bytes));
   int64_t i = 0;
   for (; i + 2 * N <= half; i += 2 * N) {
-    VF a_even, a_odd, b_even, b_odd;
-    LoadBF16EvenOdd(x + i, a_even, a_odd);
-    LoadBF16EvenOdd(x + half + i, b_even, b_odd);
-    const VF c_even = hn::LoadU(df, cos_t + i), c_odd = hn::LoadU(df, cos_t + i + N);
-    const VF s_even = hn::LoadU(df, sin_t + i), s_odd = hn::LoadU(df, sin_t + i + N);
-    const auto lo = PackBF16EvenOdd(hn::MulSub(a_even, c_even, hn::Mul(b_even, s_even)),
-                                    hn::MulSub(a_odd, c_odd, hn::Mul(b_odd, s_odd)));
-    const auto hi = PackBF16EvenOdd(hn::MulAdd(a_even, s_even, hn::Mul(b_even, c_even)),
-                                    hn::MulAdd(a_odd, s_odd, hn::Mul(b_odd, c_odd)));
+    VF lo_even, lo_odd, hi_even, hi_odd;
+    RotateChunkBF16(x, half, i, cos_t, sin_t, lo_even, lo_odd, hi_even, hi_odd);
+    const auto lo = PackBF16EvenOdd(lo_even, lo_odd), hi = PackBF16EvenOdd(hi_even, hi_odd);
     StoreU16(lo, out + i, stream_here);
     StoreU16(hi, out + half + i, stream_here);
     if (out2) {
@@ -743,15 +755,8 @@ HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t*
   // One chunk of 2N pairs at i: k_rot stored, the e4m3 codes of [i, i + 2N) and
   // [half + i, half + i + 2N) returned.
   auto chunk = [&](int64_t i, VU16& lo_codes, VU16& hi_codes) {
-    VF a_even, a_odd, b_even, b_odd;
-    LoadBF16EvenOdd(x + i, a_even, a_odd);
-    LoadBF16EvenOdd(x + half + i, b_even, b_odd);
-    const VF c_even = hn::LoadU(df, cos_t + i), c_odd = hn::LoadU(df, cos_t + i + N);
-    const VF s_even = hn::LoadU(df, sin_t + i), s_odd = hn::LoadU(df, sin_t + i + N);
-    const VF lo_even = hn::MulSub(a_even, c_even, hn::Mul(b_even, s_even));
-    const VF lo_odd = hn::MulSub(a_odd, c_odd, hn::Mul(b_odd, s_odd));
-    const VF hi_even = hn::MulAdd(a_even, s_even, hn::Mul(b_even, c_even));
-    const VF hi_odd = hn::MulAdd(a_odd, s_odd, hn::Mul(b_odd, c_odd));
+    VF lo_even, lo_odd, hi_even, hi_odd;
+    RotateChunkBF16(x, half, i, cos_t, sin_t, lo_even, lo_odd, hi_even, hi_odd);
     StoreU16(PackBF16EvenOdd(lo_even, lo_odd), out + i, stream_here);
     StoreU16(PackBF16EvenOdd(hi_even, hi_odd), out + half + i, stream_here);
     if (pool) {
@@ -784,7 +789,9 @@ HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t*
 
 // kQuant: an fp8 pool and/or an fp8 q_rot (SPEC §6). Heads whose outputs are all in q's
 // dtype take the plain path; a k head with fp8 pools is rotated into a float32 row that is
-// rounded to q's dtype (k_rot: the plain path's bits) and quantised (the pool row); an fp8
+// rounded to q's dtype (k_rot: the plain path's bits) and quantised (the pool row), except a
+// bfloat16 half-split head of whole chunks, which does both from registers
+// (RotateRowBF16WithE4M3); an fp8
 // q_rot head is rotated and quantised in one pass. Scale tensors are read here, when the
 // kernel runs.
 #if HWY_TARGET != HWY_SCALAR
@@ -913,9 +920,10 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
   // own), and one float32 row.
   float *cos_p = cos_t, *sin_p = sin_t, *cos_pil = cos_il, *sin_pil = sin_il;
   thread_local std::vector<float> plain_table, rotated;
-  // Large calls (stream) write e4m3 rows with non-temporal stores as well: each row is
-  // quantised into this staging row (it stays in L1) and then streamed out, so its lines
-  // are not read for ownership first.
+  // Large calls (stream) write e4m3 rows with non-temporal stores as well: on the float32-row
+  // path each row is quantised into this staging row (it stays in L1) and then streamed out,
+  // so its lines are not read for ownership first (RotateRowBF16WithE4M3 streams from
+  // registers).
   thread_local std::vector<uint8_t> e4m3_stage;
   bool fp8_pool = false, fp8_q = false, fused_k = false;
   Divisor k_div(1.0f), v_div(1.0f), q_div(1.0f);
