@@ -132,26 +132,38 @@ def _ulps(got, want, dtype):
     return np.abs(to_f64(got) - to_f64(want)) / ulp(to_f64(want), dtype)
 
 
-def _assert_norm_close(y, y_tf, dtype, what, w=None):
-    """ropepool's normalised head against transformers' module (SPEC §7). A float32 rsqrt
-    that differs in its last bit (the summation order) moves x * rsqrt across a rounding
-    midpoint only rarely in float16/bfloat16: there the normalised value differs by one ulp,
-    which "rms" (w given) then multiplies by w before its second rounding; "gemma" rounds
-    once. In float32 that last bit reaches every element of the head: relative 2^-20 at
-    most (the float32 sums of squares in two orders, three float32 roundings)."""
+def _assert_norm_close(y, x, kind, eps, w, dtype, what):
+    """ropepool's normalised head y against transformers' norm module `kind` with weight w
+    applied to the input x (SPEC §7). A float32 rsqrt that differs in its last bit (the
+    summation order) moves x * rsqrt across a rounding midpoint only rarely in
+    float16/bfloat16: there the normalised value n differs by one ulp. "gemma" rounds once,
+    so the result differs by that ulp. The Qwen norms ("rms") then multiply n by w and round
+    again: with n_tf transformers' n (its module with a weight of ones), the two results,
+    each w * n rounded to nearest, differ by at most |w| ulp(n_tf) plus half an ulp of each
+    (plus 2^-23 relative where a float32 weight makes the product round through float32
+    first). In float32 the rsqrt's last bit reaches every element of the head: relative
+    2^-20 at most (the float32 sums of squares in two orders, three float32 roundings)."""
+    t = TORCH_DTYPES[dtype]
+    D = x.shape[-1]
+    with torch.no_grad():
+        y_tf = _norm_module(kind, D, eps, w)(x).to(t)
     g, e = to_f64(y), to_f64(y_tf)
     if dtype == "float32":
         rel = np.abs(g - e) / np.abs(e)
         assert np.nanmax(rel) <= 2.0**-20, f"{what}: relative {np.nanmax(rel):.3g} from transformers"
-        return
-    bound = ulp(e, dtype)
-    if w is not None:  # one ulp of the normalised value n = y / w, times w
-        w64 = to_f64(w)
-        bound = bound + np.abs(w64) * ulp(e / w64, dtype)
+        return y_tf
+    if kind == "gemma3":
+        bound = ulp(e, dtype)
+    else:
+        with torch.no_grad():
+            n_tf = to_f64(_norm_module(kind, D, eps, torch.ones_like(w))(x).to(t))
+        bound = (np.abs(to_f64(w)) * ulp(n_tf, dtype) + 0.5 * (ulp(g, dtype) + ulp(e, dtype))
+                 + 2.0**-23 * np.abs(e))
     bad = np.abs(g - e) > bound
     assert not bad.any(), f"{what}: {int(bad.sum())} values beyond the bound"
     differ = (g != e).mean()
     assert differ < 0.01, f"{what}: {differ:.2%} of the values differ"
+    return y_tf
 
 
 def _pair_sum(x):
@@ -275,10 +287,7 @@ def test_qk_norm_matches_transformers(kernel_device, rng, name, cfg, style, dtyp
     factor = cfg.get("rope_scaling", {}).get("factor", 1.0)
     inv_freq = _inv_freq(cfg["rope_base"], D, factor)
     for x, w, rot, y, what in ((a["q"], q_w, q_rot, q_y, "q"), (a["k"], k_w, k_rot, k_y, "k")):
-        with torch.no_grad():
-            y_tf = _norm_module(kind, D, eps, w)(x).to(TORCH_DTYPES[dtype])
-        _assert_norm_close(y, y_tf, dtype, f"{what}: {kind} norm",
-                           w if style == "rms" else None)
+        y_tf = _assert_norm_close(y, x, kind, eps, w, dtype, f"{what}: {kind} norm")
         # the rotation of ropepool's own normalised values: SPEC §1's bound
         y64 = torch.from_numpy(to_f64(y))
         _assert_close(rot, _exact_plain(y64, positions, inv_freq), y64, dtype,
@@ -399,10 +408,8 @@ def test_mrope_matches_transformers(kernel_device, rng, model, cfg, interleaved,
             # transformers' Qwen3VLTextRMSNorm: within one ulp
             zero = torch.zeros((3, T), dtype=positions.dtype)
             y = _call(a, zero, _kw(cfg, **extra), kernel_device)[0 if name == "q" else 1]
-            with torch.no_grad():
-                y_tf = _norm_module("qwen3_vl", D, cfg["eps"], extra[f"{name}_norm_weight"])(x)
-            _assert_norm_close(y, y_tf.to(x.dtype), dtype, f"{name}: qwen3_vl norm",
-                               extra[f"{name}_norm_weight"])
+            _assert_norm_close(y, x, "qwen3_vl", cfg["eps"], extra[f"{name}_norm_weight"],
+                               dtype, f"{name}: qwen3_vl norm")
             x = y
         x64 = torch.from_numpy(to_f64(x))
         exact = _hf_mrope_exact(model, x64, positions, inv_freq, section, interleaved)
@@ -652,10 +659,7 @@ def test_norm_with_every_cache_format(kernel_device, rng, dtype, layout, page_si
     kind = "qwen3" if style == "rms" else "gemma3"
     for x, y, n in ((q, y_q, "q"), (k, y_k, "k")):
         weight = w[f"{n}_norm_weight"].cpu()
-        with torch.no_grad():
-            y_tf = _norm_module(kind, D, cfg["eps"], weight)(x.cpu()).to(t)
-        _assert_norm_close(y.cpu(), y_tf, dtype, f"{n}: {kind} norm",
-                           weight if style == "rms" else None)
+        _assert_norm_close(y.cpu(), x.cpu(), kind, cfg["eps"], weight, dtype, f"{n}: {kind} norm")
 
     k_pool, v_pool, arena = build_cache("own", layout, pages, page_size, Hk, D,
                                         FP8 if fp8_pool else t, kernel_device, gen)
