@@ -150,12 +150,8 @@ __global__ void __launch_bounds__(kFusionWarps * 32)
       scales[i] = fp8_divisor(p.pool.scale_ptr[i] != nullptr ? __ldg(p.pool.scale_ptr[i])
                                                              : p.pool.scale_value[i]);
   }
-  if (int(threadIdx.x) < half) {  // the main kernel's table, mRoPE included
-    const int64_t pos = load_index(p.positions, p.positions_stride, p.positions_int64, t);
-    for (int e = threadIdx.x; e < half; e += blockDim.x)
-      angle_sincos(p.mrope ? mrope_position(p, e, t, pos) : pos, p.inv_freq[e],
-                   p.attention_scaling, &cos_row[e], &sin_row[e]);
-  }
+  if (int(threadIdx.x) < half)  // the main kernel's table, mRoPE included
+    token_table(p, t, threadIdx.x, blockDim.x, half, 0.0, false, cos_row, sin_row);
   __syncthreads();
   allow_next_grid();
   const Fp8Divisor one{1.0f, 1.0f, 1.0f, 1.0f};
@@ -282,12 +278,7 @@ __global__ void __launch_bounds__(1024, 1)
       divisors[tid] = fp8_divisor(p.pool.scale_ptr[tid] != nullptr ? __ldg(p.pool.scale_ptr[tid])
                                                                   : p.pool.scale_value[tid]);
   }
-  if (tid < half) {  // the main kernel's table, mRoPE included
-    const int64_t pos = load_index(p.positions, p.positions_stride, p.positions_int64, t);
-    for (int e = tid; e < half; e += blockDim.x)
-      angle_sincos(p.mrope ? mrope_position(p, e, t, pos) : pos, p.inv_freq[e],
-                   p.attention_scaling, &cos_row[e], &sin_row[e]);
-  }
+  if (tid < half) token_table(p, t, tid, blockDim.x, half, 0.0, false, cos_row, sin_row);  // mRoPE included
   const int64_t slot = load_index(p.slots, p.slots_stride, p.slots_int64, t);
   __syncthreads();
   allow_next_grid();

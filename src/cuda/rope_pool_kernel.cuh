@@ -117,11 +117,13 @@ struct KernelParams {
   int64_t positions_row_stride;
 };
 
-/// The position frequency e of token t turns by: row 0 (`pos0`, already loaded) unless
-/// mRoPE picks row 1 or 2 for e (SPEC §7; include/ropepool/schedule.hpp, mrope_axis).
+/// The positions row frequency e reads: row 0, unless mRoPE picks row 1 or 2 for e (SPEC §7;
+/// include/ropepool/schedule.hpp, mrope_axis). The table loads each thread's first position
+/// from its own frequency's row: one load per thread, not row 0 and then, once its value is
+/// in, the mRoPE row (two DRAM latencies in a row on the table's critical path).
 template <int kFreqCap>
-__device__ __forceinline__ int64_t mrope_position(const KernelParams<kFreqCap>& p, int e,
-                                                  int64_t t, int64_t pos0) {
+__device__ __forceinline__ const void* position_row(const KernelParams<kFreqCap>& p, int e) {
+  if (!p.mrope) return p.positions;
   int axis = 0;
   if (p.mrope_interleaved) {
     axis = e % 3 == 1 && e < 3 * p.mrope_section[1]   ? 1
@@ -130,11 +132,22 @@ __device__ __forceinline__ int64_t mrope_position(const KernelParams<kFreqCap>& 
   } else {
     axis = e < p.mrope_section[0] ? 0 : e < p.mrope_section[0] + p.mrope_section[1] ? 1 : 2;
   }
-  if (axis == 0) return pos0;
-  const int64_t es = p.positions_int64 ? 8 : 4;
-  const void* row = static_cast<const char*>(p.positions) + axis * p.positions_row_stride * es;
-  return p.positions_int64 ? __ldg(static_cast<const long long*>(row) + t * p.positions_stride)
-                           : int64_t(__ldg(static_cast<const int*>(row) + t * p.positions_stride));
+  return static_cast<const char*>(p.positions) + axis * p.positions_row_stride * (p.positions_int64 ? 8 : 4);
+}
+
+/// The angle table of token t: cos and sin of frequencies e0, e0 + step, ... below half, each
+/// at its own position (position_row). Without mRoPE every frequency reuses the first load.
+template <int kFreqCap>
+__device__ __forceinline__ void token_table(const KernelParams<kFreqCap>& p, int64_t t, int e0, int step,
+                                            int half, double f0, bool f0_given, float* cos_row,
+                                            float* sin_row) {
+  const int64_t pos = load_index(position_row(p, e0), p.positions_stride, p.positions_int64, t);
+  for (int e = e0; e < half; e += step) {
+    const int64_t pos_e =
+        e == e0 || !p.mrope ? pos : load_index(position_row(p, e), p.positions_stride, p.positions_int64, t);
+    angle_sincos(pos_e, f0_given && e == e0 ? f0 : p.inv_freq[e], p.attention_scaling, &cos_row[e],
+                 &sin_row[e]);
+  }
 }
 
 /// The paged / fp8 kernels: the seed's block unchanged (kp_row, vp_row: the page stride), then
@@ -835,13 +848,7 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
       cp_async(static_cast<char*>(scan_slots) + u * es,
                static_cast<const char*>(p.slots) + u * p.slots_stride * es, p.slots_int64);
   }
-  if (e0 < half) {
-    const int64_t pos = load_index(p.positions, p.positions_stride, p.positions_int64, t);
-    for (int e = e0; e < half; e += blockDim.x)
-      angle_sincos(p.mrope ? mrope_position(p, e, t, pos) : pos,  // SPEC §7
-                   touch && e == e0 ? f0 : p.inv_freq[e], p.attention_scaling, &cos_row[e],
-                   &sin_row[e]);
-  }
+  if (e0 < half) token_table(p, t, e0, blockDim.x, half, f0, touch, cos_row, sin_row);
   if constexpr (kScales) {
     if (e0 < 3) divisors[e0] = fp8_divisor(scale);
   }
