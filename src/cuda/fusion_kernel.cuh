@@ -151,7 +151,8 @@ __global__ void __launch_bounds__(kFusionWarps * 32)
                                                              : p.pool.scale_value[i]);
   }
   if (int(threadIdx.x) < half)  // the main kernel's table, mRoPE included
-    token_table(p, t, threadIdx.x, blockDim.x, half, 0.0, false, cos_row, sin_row);
+    token_table(p, t, threadIdx.x, blockDim.x, half, position_row(p, threadIdx.x), 0.0, false, cos_row,
+                sin_row);
   __syncthreads();
   allow_next_grid();
   const Fp8Divisor one{1.0f, 1.0f, 1.0f, 1.0f};
@@ -278,7 +279,8 @@ __global__ void __launch_bounds__(1024, 1)
       divisors[tid] = fp8_divisor(p.pool.scale_ptr[tid] != nullptr ? __ldg(p.pool.scale_ptr[tid])
                                                                   : p.pool.scale_value[tid]);
   }
-  if (tid < half) token_table(p, t, tid, blockDim.x, half, 0.0, false, cos_row, sin_row);  // mRoPE included
+  if (tid < half)  // mRoPE included
+    token_table(p, t, tid, blockDim.x, half, position_row(p, tid), 0.0, false, cos_row, sin_row);
   const int64_t slot = load_index(p.slots, p.slots_stride, p.slots_int64, t);
   __syncthreads();
   allow_next_grid();

@@ -136,12 +136,13 @@ __device__ __forceinline__ const void* position_row(const KernelParams<kFreqCap>
 }
 
 /// The angle table of token t: cos and sin of frequencies e0, e0 + step, ... below half, each
-/// at its own position (position_row). Without mRoPE every frequency reuses the first load.
+/// at its own position; `first_row` is position_row(p, e0) (the main kernel works it out
+/// before waiting for the previous grid). Without mRoPE every frequency reuses the first load.
 template <int kFreqCap>
 __device__ __forceinline__ void token_table(const KernelParams<kFreqCap>& p, int64_t t, int e0, int step,
-                                            int half, double f0, bool f0_given, float* cos_row,
-                                            float* sin_row) {
-  const int64_t pos = load_index(position_row(p, e0), p.positions_stride, p.positions_int64, t);
+                                            int half, const void* first_row, double f0, bool f0_given,
+                                            float* cos_row, float* sin_row) {
+  const int64_t pos = load_index(first_row, p.positions_stride, p.positions_int64, t);
   for (int e = e0; e < half; e += step) {
     const int64_t pos_e =
         e == e0 || !p.mrope ? pos : load_index(position_row(p, e), p.positions_stride, p.positions_int64, t);
@@ -822,6 +823,8 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
 #pragma unroll
   for (int i = 0; i < Ops::kSources; ++i) pin(src.at[i]);
   pin(src.pairs);
+  const void* pos_row = position_row(p, e0);  // SPEC §7: this thread's first frequency's row
+  pin(pos_row);
   params_touched.finish(touch, f0);
 
   wait_for_previous_grid();
@@ -848,7 +851,7 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
       cp_async(static_cast<char*>(scan_slots) + u * es,
                static_cast<const char*>(p.slots) + u * p.slots_stride * es, p.slots_int64);
   }
-  if (e0 < half) token_table(p, t, e0, blockDim.x, half, f0, touch, cos_row, sin_row);
+  if (e0 < half) token_table(p, t, e0, blockDim.x, half, pos_row, f0, touch, cos_row, sin_row);
   if constexpr (kScales) {
     if (e0 < 3) divisors[e0] = fp8_divisor(scale);
   }
