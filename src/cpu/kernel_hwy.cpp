@@ -156,10 +156,14 @@ struct Float16 {
     auto w = hn::Sub(abs, hn::Set(du32, 0x38000000u));
     w = hn::Add(w, hn::Add(hn::Set(du32, 0xfffu), hn::And(hn::ShiftRight<13>(w), hn::Set(du32, 1u))));
     auto h = hn::ShiftRight<13>(w);
-    // subnormal result: abs / 2^-24 rounded to an integer (exact scaling, RNE conversion)
-    const auto sub = hn::BitCast(
-        du32, hn::NearestInt(hn::Mul(hn::BitCast(df, abs), hn::Set(df, 16777216.0f))));
-    h = hn::IfThenElse(hn::RebindMask(du32, hn::Lt(abs_i, hn::Set(di32, 0x38800000))), sub, h);
+    // subnormal result: abs / 2^-24 rounded to an integer (exact scaling, RNE conversion).
+    // Only those lanes are converted, the others are zero first: Highway 1.0.3's emulated
+    // NearestInt (EMU128) casts 2^31 itself to int32, undefined behaviour (clang's UBSan
+    // reports it), and abs * 2^24 is 2^31 for |v| = 128.
+    const auto is_sub = hn::Lt(abs_i, hn::Set(di32, 0x38800000));
+    const auto sub_abs = hn::IfThenElseZero(hn::RebindMask(df, is_sub), hn::BitCast(df, abs));
+    const auto sub = hn::BitCast(du32, hn::NearestInt(hn::Mul(sub_abs, hn::Set(df, 16777216.0f))));
+    h = hn::IfThenElse(hn::RebindMask(du32, is_sub), sub, h);
     h = hn::IfThenElse(hn::RebindMask(du32, hn::Gt(abs_i, hn::Set(di32, 0x477fefff))),
                        hn::Set(du32, 0x7c00u), h);  // rounds to >= 65520: inf
     const auto nan = hn::Or(hn::Set(du32, 0x7e00u),
