@@ -3,16 +3,17 @@
 # a virtual environment in .venv, CMake builds) and then:
 #   ./dev.sh bench   build and run `ropepool bench` (the default workload)
 #   ./dev.sh test    build everything and run every test (C++ with every Highway target,
-#                    C++ under ASan+UBSan, the concurrency suite under TSan, 60 s of
-#                    libFuzzer (FUZZ_SECONDS), `ropepool verify`, the C++ example, Python, a
-#                    manylinux wheel tested with the system's Highway hidden; the CUDA
-#                    kernel and its test are compiled wherever nvcc exists)
-# Each step has its own build folder (build-bench, build, build-asan, build-cuda), so no
-# step reconfigures another's. Tests labelled `gpu` need a GPU: built here, run by
-# scripts/gpu_check.sh. The plain build compiles and tests the CPU kernel on every Highway
-# target; the sanitizer, fuzzing and CUDA builds compile fewer (SANITIZE_HWY_OFF, NATIVE_HWY_OFF
-# below); every folder builds with Ninja (configure): the whole run takes 25-30 minutes on
-# two cores.
+#                    `ropepool verify`, the C++ example, C++ under ASan+UBSan and then 60 s
+#                    of libFuzzer (FUZZ_SECONDS) from the same clang 14 build, the
+#                    concurrency suite under TSan, Python, a manylinux wheel tested with the
+#                    system's Highway hidden; the CUDA kernel and its test are compiled
+#                    wherever nvcc exists)
+# Each step has its own build folder (build-bench, build, build-asan, build-tsan,
+# build-cuda), so no step reconfigures another's. Tests labelled `gpu` need a GPU: built
+# here, run by scripts/gpu_check.sh. The plain build compiles and tests the CPU kernel on
+# every Highway target; the sanitizer and CUDA builds compile fewer (SANITIZE_HWY_OFF,
+# NATIVE_HWY_OFF below); every folder builds with Ninja (configure): the whole run takes
+# 25-30 minutes on two cores.
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$PWD
@@ -22,7 +23,8 @@ log() { printf '\n=== [%dm%02ds] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*";
 
 apt_deps() {
   local need=()
-  # clang-14 + libclang-rt-14-dev (libclang_rt.fuzzer): the libFuzzer step of ./dev.sh test;
+  # clang-14 + libclang-rt-14-dev (libclang_rt.fuzzer): the ASan+UBSan and libFuzzer step of
+  # ./dev.sh test;
   # ninja-build: every build folder uses Ninja (configure below)
   for pkg in cmake g++ ninja-build libhwy-dev libgtest-dev python3-venv clang-14 libclang-rt-14-dev; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
@@ -49,11 +51,17 @@ venv() {
 # Every build folder uses Ninja: unlike Makefiles, it compiles a target's objects while the
 # libraries it links are still compiling, so both cores stay busy while the CPU kernel's file
 # (one translation unit per Highway target) compiles. A folder configured with another
-# generator is started afresh.
+# generator, or (where CXX is set) with another C++ compiler, is started afresh: CMake keeps
+# the compiler of an existing folder whatever CXX says.
 configure() {  # source dir, build dir, extra cmake args...
   local src=$1 dir=$2; shift 2
-  if [ -f "$dir/CMakeCache.txt" ] && ! grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja$' "$dir/CMakeCache.txt"; then
-    rm -rf "$dir"
+  local cache=$dir/CMakeCache.txt
+  if [ -f "$cache" ]; then
+    local cached_cxx; cached_cxx=$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$cache")
+    if ! grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja$' "$cache" || { [ -n "${CXX:-}" ] &&
+         [ "$(realpath -m "$cached_cxx")" != "$(realpath -m "$(command -v "$CXX" || echo "$CXX")")" ]; }; then
+      rm -rf "$dir"
+    fi
   fi
   cmake -S "$src" -B "$dir" -G Ninja "$@" >/dev/null
 }
@@ -77,9 +85,9 @@ if command -v nvcc >/dev/null 2>&1; then cuda=ON; else cuda=OFF; fi
 if [ "$cuda" = ON ] && nvidia-smi -L >/dev/null 2>&1; then cuda_py=ON; else cuda_py=OFF; fi
 
 # Highway targets (ROPEPOOL_HWY_DISABLED_TARGETS) the builds below leave out: the kernel file
-# compiles once per target, 1-1.5 minutes each under a sanitizer. ASan+UBSan keeps AVX3 and
-# AVX2 (and the static baseline); TSan, libFuzzer and the CUDA compile check keep AVX3 and the
-# baseline (what runs on this machine).
+# compiles once per target, 1-1.5 minutes each under a sanitizer. ASan+UBSan (its ctest run and
+# libFuzzer) keeps AVX3 and AVX2 (and the static baseline); TSan and the CUDA compile check
+# keep AVX3 and the baseline (what runs on this machine).
 SANITIZE_HWY_OFF="HWY_SSE4|HWY_SSSE3"
 NATIVE_HWY_OFF="HWY_AVX2|HWY_SSE4|HWY_SSSE3"
 
@@ -93,20 +101,25 @@ test_tsan() {
   TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" ./build-tsan/tests/cpp/ropepool_test_concurrency
 }
 
-# libFuzzer over rope_pool_fused (tests/fuzz) under ASan+UBSan, for FUZZ_SECONDS (60), from
-# the seed corpus (copied: the run's finds stay in build-fuzz). A crash fails the step and
-# leaves its input in build-fuzz/ (crash-*): replay it with
-# build-fuzz/tests/fuzz/ropepool_fuzz <file>, keep it under tests/fuzz/regressions/.
-test_fuzz() {
-  log "libFuzzer on rope_pool_fused, ${FUZZ_SECONDS:-60} s (ASan+UBSan)"
-  CC=clang-14 CXX=clang++-14 configure . build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+# One clang 14 build folder (build-asan) serves the C++ tests under ASan+UBSan and libFuzzer:
+# one `cmake --build` compiles the tests and the fuzzer (the library carries libFuzzer's
+# coverage instrumentation, ROPEPOOL_FUZZ), ctest runs every test, then libFuzzer runs over
+# rope_pool_fused (tests/fuzz) for FUZZ_SECONDS (60) from the seed corpus (copied: the run's
+# finds stay in build-asan). A crash fails the step and leaves its input in build-asan/
+# (crash-*): replay it with build-asan/tests/fuzz/ropepool_fuzz <file>, keep it under
+# tests/fuzz/regressions/.
+test_asan_fuzz() {
+  log "C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer (clang 14)"
+  CC=clang-14 CXX=clang++-14 configure . build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DROPEPOOL_WITH_CUDA=OFF -DROPEPOOL_SANITIZE=ON -DROPEPOOL_FUZZ=ON -DROPEPOOL_BUILD_CLI=OFF \
-    "-DROPEPOOL_HWY_DISABLED_TARGETS=$NATIVE_HWY_OFF"
-  cmake --build build-fuzz -j "$JOBS" --target ropepool_fuzz
-  rm -rf build-fuzz/corpus && mkdir -p build-fuzz/corpus && cp tests/fuzz/corpus/* build-fuzz/corpus/
+    "-DROPEPOOL_HWY_DISABLED_TARGETS=$SANITIZE_HWY_OFF"
+  cmake --build build-asan -j "$JOBS"
+  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 run_ctest build-asan
+  log "libFuzzer on rope_pool_fused, ${FUZZ_SECONDS:-60} s (ASan+UBSan, build-asan)"
+  rm -rf build-asan/corpus && mkdir -p build-asan/corpus && cp tests/fuzz/corpus/* build-asan/corpus/
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-    ./build-fuzz/tests/fuzz/ropepool_fuzz -max_total_time="${FUZZ_SECONDS:-60}" -timeout=30 \
-      -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix=build-fuzz/ build-fuzz/corpus
+    ./build-asan/tests/fuzz/ropepool_fuzz -max_total_time="${FUZZ_SECONDS:-60}" -timeout=30 \
+      -rss_limit_mb=4096 -print_final_stats=1 -artifact_prefix=build-asan/ build-asan/corpus
 }
 
 case "${1:-}" in
@@ -131,12 +144,8 @@ case "${1:-}" in
     configure examples/cpp build/example -DCMAKE_PREFIX_PATH="$ROOT/build/install"
     cmake --build build/example -j "$JOBS"
     ./build/example/example
-    log "C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer"
-    cmake_build build-asan -DROPEPOOL_WITH_CUDA=OFF -DROPEPOOL_SANITIZE=ON -DROPEPOOL_BUILD_CLI=OFF \
-      -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DROPEPOOL_HWY_DISABLED_TARGETS=$SANITIZE_HWY_OFF"
-    ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 run_ctest build-asan
+    test_asan_fuzz
     test_tsan
-    test_fuzz
     if [ "$cuda" = ON ]; then
       log "CUDA backend, its test and benchmark, the Python extensions with CUDA: compiled only (sm_90)"
       configure . build-cuda -DCMAKE_BUILD_TYPE=Release -DROPEPOOL_WITH_CUDA=ON \
