@@ -115,7 +115,45 @@ struct VecIO {
     }
   }
 
+  /// 16-bit types: element-wise a * b rounded once to nearest even, two elements per
+  /// instruction (mul.rn.bf16x2 / mul.rn.f16x2 on sm_90; ptxas issues some as HFMA2 with a -0
+  /// addend, the same single rounding). These are the bits of
+  /// from_float(to_float(a) * to_float(b)): the exact product of two bfloat16 (8-bit
+  /// significands) or float16 (11-bit) elements has at most 22 significant bits, so float32
+  /// holds it exactly, except for bfloat16 products of magnitude 2^128 and up (inf in either
+  /// way) or with bits below 2^-149, which are then under 2^-134, half the least bfloat16
+  /// subnormal, and both ways give a zero of the product's sign. The CUDA test compares the two
+  /// on every pair of 16-bit patterns (subnormals, infinities and NaNs included).
+  static __device__ __forceinline__ Raw mul_rn(Raw a, Raw b) {
+    static_assert(kPerWord == 2, "16-bit elements");
+    if constexpr (kBytes == 16) {
+      return make_uint4(mul_word(a.x, b.x), mul_word(a.y, b.y), mul_word(a.z, b.z), mul_word(a.w, b.w));
+    } else if constexpr (kBytes == 4) {
+      return mul_word(a, b);
+    } else {
+      return uint16_t(mul_word(a, b));  // the upper halves (zero) give zero
+    }
+  }
+
  private:
+  static __device__ __forceinline__ uint32_t mul_word(uint32_t a, uint32_t b) {
+    uint32_t w;
+    if constexpr (std::is_same_v<E, BF16>) {
+      __nv_bfloat162 x, y;
+      memcpy(&x, &a, 4);
+      memcpy(&y, &b, 4);
+      const __nv_bfloat162 z = __hmul2_rn(x, y);
+      memcpy(&w, &z, 4);
+    } else {
+      __half2 x, y;
+      memcpy(&x, &a, 4);
+      memcpy(&y, &b, 4);
+      const __half2 z = __hmul2_rn(x, y);
+      memcpy(&w, &z, 4);
+    }
+    return w;
+  }
+
   static constexpr int kPerWord = 4 / E::kBytes;  // elements in one 32-bit word (1 or 2)
 
   static __device__ __forceinline__ void word_to_float(uint32_t w, float (&f)[kVec], int i) {

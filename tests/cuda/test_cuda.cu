@@ -568,7 +568,83 @@ void test_graph(Rng& rng) {
 // "gemma" with float32 ones) and mRoPE (Qwen2-VL sections, Qwen3-VL interleaved), alone and
 // combined, against the float64 reference (with the one midpoint ulp §7 allows), every pool
 // row bit for bit; text-only mRoPE positions give the plain call's bits.
+/// Every pair of 16-bit patterns (a, b) = (index >> 16, index & 0xffff), 8 consecutive indices
+/// as one VecIO<E, 8> vector each: SPEC §7's second "rms" rounding as the norm kernel takes it
+/// with weights in q's dtype (VecIO::mul_rn, one packed multiply) against the float32 path it
+/// replaced, from_float(to_float(a) * (to_float(b) + -0)). Counts elements whose bits differ.
+/// Element e of the vector takes index base + (e + shift) % 8: over shifts 0, 2, 4, 6 each
+/// word of the vector (the compiler issues some as HMUL2, some as HFMA2 with a -0 addend)
+/// sees every pair.
+template <class E>
+__global__ void packed_mul_every_pair(uint64_t begin, uint64_t end, int shift, unsigned long long* bad,
+                                      unsigned* first_bad) {
+  using IO = cuda::VecIO<E, 8>;
+  for (uint64_t base = begin + (uint64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 8; base < end;
+       base += uint64_t(gridDim.x) * blockDim.x * 8) {
+    const uint32_t a = uint32_t(base >> 16), b0 = uint32_t(base) & 0xffffu;
+    uint32_t bw[4];
+    for (int i = 0; i < 4; ++i) bw[i] = (b0 + (2 * i + shift) % 8) | (b0 + (2 * i + 1 + shift) % 8) << 16;
+    const uint4 av = make_uint4(a | a << 16, a | a << 16, a | a << 16, a | a << 16);
+    const uint4 bv = make_uint4(bw[0], bw[1], bw[2], bw[3]);
+    float fa[8], fb[8];
+    IO::to_float(av, fa);
+    IO::to_float(bv, fb);
+    const float w_offset = -0.0f;
+    for (int i = 0; i < 8; ++i) fa[i] *= fb[i] + w_offset;
+    const uint4 want = IO::from_float(fa), got = IO::mul_rn(av, bv);
+    const uint32_t ww[4] = {want.x, want.y, want.z, want.w}, gw[4] = {got.x, got.y, got.z, got.w};
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t g = (gw[i / 2] >> (16 * (i % 2))) & 0xffffu, w = (ww[i / 2] >> (16 * (i % 2))) & 0xffffu;
+      if (g != w) {
+        const unsigned long long n = atomicAdd(bad, 1ull);
+        if (n < 4) first_bad[2 * n] = uint32_t(base + (i + shift) % 8), first_bad[2 * n + 1] = g | w << 16;
+      }
+    }
+  }
+}
+
+/// The norm kernel's packed multiply (VecIO::mul_rn) gives the float32 path's bits on every pair
+/// of bfloat16 and of float16 patterns: subnormal and zero products of either sign, overflow to
+/// infinity, infinities times zero, NaNs.
+void test_norm_packed_mul() {
+  DeviceBuffer d_bad(8), d_first(32);
+  for (int e = 0; e < 2; ++e) {
+    // Under the sanitizer: all b for 16 values of a each near 0, 1, -1, the largest and NaN.
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;
+    if (!g_sanitize) ranges = {{0, uint64_t(1) << 32}};
+    else
+      for (uint64_t a : {0x0000u, 0x3f80u, 0xbf80u, 0x7f70u, 0xfff0u}) ranges.push_back({a << 16, (a + 16) << 16});
+    ROPEPOOL_CUDA_OK(cudaMemset(d_bad.ptr, 0, 8));
+    ROPEPOOL_CUDA_OK(cudaMemset(d_first.ptr, 0xff, 32));  // written only on a mismatch
+    auto* d_n = static_cast<unsigned long long*>(d_bad.ptr);
+    auto* d_pairs = static_cast<unsigned*>(d_first.ptr);
+    for (auto [b, en] : ranges)
+      for (int shift = 0; shift < 8; shift += 2) {
+        if (e == 0) packed_mul_every_pair<cuda::BF16><<<2048, 256>>>(b, en, shift, d_n, d_pairs);
+        else packed_mul_every_pair<cuda::F16><<<2048, 256>>>(b, en, shift, d_n, d_pairs);
+      }
+    ROPEPOOL_CUDA_OK(cudaGetLastError());
+    ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
+    unsigned long long n = 0;
+    unsigned first[8] = {};
+    ROPEPOOL_CUDA_OK(cudaMemcpy(&n, d_bad.ptr, 8, cudaMemcpyDeviceToHost));
+    ROPEPOOL_CUDA_OK(cudaMemcpy(first, d_first.ptr, sizeof first, cudaMemcpyDeviceToHost));
+    char b[200];
+    std::snprintf(b, sizeof b, "norm's packed %s multiply (VecIO::mul_rn) on %s pairs of patterns: %llu differ from the float32 path%s",
+                  e == 0 ? "bfloat16" : "float16", g_sanitize ? "5 x 2^20" : "all 2^32", n, n ? "; first: " : "");
+    std::string what = b;
+    for (unsigned long long i = 0; i < std::min(n, 4ull); ++i) {
+      std::snprintf(b, sizeof b, "0x%04x * 0x%04x -> 0x%04x (want 0x%04x) ", first[2 * i] >> 16, first[2 * i] & 0xffffu,
+                    first[2 * i + 1] & 0xffffu, first[2 * i + 1] >> 16);
+      what += b;
+    }
+    expect(n == 0, what);
+    std::printf("  %-4s %s\n", n == 0 ? "ok" : "FAIL", what.c_str());
+  }
+}
+
 void test_fusions(Rng& rng) {
+  test_norm_packed_mul();
   struct F {
     DType dt;
     int64_t T, Hq, Hk, D, R;
