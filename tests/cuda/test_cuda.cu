@@ -7,7 +7,8 @@
 // and FlashInfer's combined caches (every byte of the allocation outside the rows written
 // unchanged, guards included), fp8 e4m3 pools and q_out with scale values and pointers
 // (a CUDA graph sees a changed scale), and the e4m3 conversion on every float32; SPEC §7's
-// QK norm (the fusion kernel) with every one of these caches, mRoPE included.
+// QK norm (the fusion kernel) with every one of these caches, mRoPE included, and the norm
+// kernel's packed "rms" multiply against its float32 path on every pair of 16-bit patterns.
 // Registered with ctest under the label `gpu` (scripts/gpu_check.sh runs `ctest -L gpu`).
 //
 //   ropepool_test_cuda [--quick] [--sanitize]
