@@ -49,8 +49,8 @@ venv() {
 }
 
 # Every build folder uses Ninja: unlike Makefiles, it compiles a target's objects while the
-# libraries it links are still compiling, so both cores stay busy while the CPU kernel's file
-# (one translation unit per Highway target) compiles. A folder configured with another
+# libraries it links are still compiling, so both cores stay busy while the CPU kernel's
+# Highway targets (src/cpu/kernel_hwy_part*.cpp) compile. A folder configured with another
 # generator, or (where CXX is set) with another C++ compiler, is started afresh: CMake keeps
 # the compiler of an existing folder whatever CXX says.
 configure() {  # source dir, build dir, extra cmake args...
@@ -84,7 +84,7 @@ run_ctest() {  # dir, extra ctest args...: every test but the GPU ones; none fou
 if command -v nvcc >/dev/null 2>&1; then cuda=ON; else cuda=OFF; fi
 if [ "$cuda" = ON ] && nvidia-smi -L >/dev/null 2>&1; then cuda_py=ON; else cuda_py=OFF; fi
 
-# Highway targets (ROPEPOOL_HWY_DISABLED_TARGETS) the builds below leave out: the kernel file
+# Highway targets (ROPEPOOL_HWY_DISABLED_TARGETS) the builds below leave out: the CPU kernel
 # compiles once per target, 1-1.5 minutes each under a sanitizer. ASan+UBSan (its ctest run and
 # libFuzzer) keeps AVX3 and AVX2 (and the static baseline); TSan and the CUDA compile check
 # keep AVX3 and the baseline (what runs on this machine).

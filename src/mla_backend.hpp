@@ -37,7 +37,7 @@ struct MlaProblem {
 /// ropepool::float_to_e4m3 (SPEC §6: round to nearest even, +-448 beyond, NaN kept) by
 /// integer operations on the float's bits; equal to it for every float
 /// (tests/cpp/test_mla.cpp). The CPU kernel now quantises with the main kernel's Highway code
-/// (kernel_hwy.cpp), so only that test calls this.
+/// (kernel_hwy-inl.h), so only that test calls this.
 inline uint8_t e4m3_bits(float x) {
   const uint32_t u = float_bits(x);
   const uint8_t sign = uint8_t((u >> 24) & 0x80u);

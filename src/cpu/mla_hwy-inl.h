@@ -1,5 +1,5 @@
 // The SIMD part of mla_rope_pool_fused's CPU backend (SPEC §8), per Highway target. Included
-// by kernel_hwy.cpp once per target, after its own code, so it runs on rope_pool_fused's row
+// by kernel_hwy-inl.h in each of its passes, after its own code, so it runs on rope_pool_fused's row
 // helpers (element formats, row rotations, the sin/cos table, e4m3 quantisation) rather than
 // copies of them; mla_kernel.cpp plans the call and runs mla_run_tokens_hwy on the thread pool.
 //
@@ -41,6 +41,12 @@
 HWY_BEFORE_NAMESPACE();
 namespace ropepool::detail::cpu {
 namespace HWY_NAMESPACE {
+
+// What kernel_hwy.cpp dispatches to (HWY_EXPORT); defined where kernel_hwy-inl.h defines
+// the target's functions (ROPEPOOL_HWY_HERE).
+void MlaRunTokens(const MlaPlan& plan, int64_t token_begin, int64_t token_end);
+
+#if ROPEPOOL_HWY_HERE
 namespace hn = hwy::HWY_NAMESPACE;
 
 // n bytes with non-temporal stores wherever the destination is vector-aligned: plain stores
@@ -269,21 +275,10 @@ void MlaRunTokens(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
   }
 }
 
+#endif  // ROPEPOOL_HWY_HERE
+
 }  // namespace HWY_NAMESPACE
 }  // namespace ropepool::detail::cpu
 HWY_AFTER_NAMESPACE();
 
 #endif  // per-target include guard
-
-#if HWY_ONCE && !defined(ROPEPOOL_SRC_CPU_MLA_HWY_ONCE_)
-#define ROPEPOOL_SRC_CPU_MLA_HWY_ONCE_
-namespace ropepool::detail::cpu {
-
-HWY_EXPORT(MlaRunTokens);
-
-void mla_run_tokens_hwy(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
-  HWY_DYNAMIC_DISPATCH(MlaRunTokens)(plan, token_begin, token_end);
-}
-
-}  // namespace ropepool::detail::cpu
-#endif  // HWY_ONCE

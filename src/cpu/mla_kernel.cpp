@@ -1,5 +1,5 @@
 // CPU backend of mla_rope_pool_fused (SPEC §8): plans one call (threads, repeated slots,
-// store policy) and runs the SIMD rows (mla_hwy-inl.h, compiled with kernel_hwy.cpp on
+// store policy) and runs the SIMD rows (mla_hwy-inl.h, compiled with kernel_hwy-inl.h on
 // rope_pool_fused's helpers) over contiguous token runs on the library's thread pool.
 #include <algorithm>
 #include <vector>

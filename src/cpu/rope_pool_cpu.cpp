@@ -1,5 +1,5 @@
 // CPU backend entry: plans one call (threads, blocks, duplicate slots, store policy) and runs
-// the SIMD kernel on the persistent thread pool. The math is in kernel_hwy.cpp.
+// the SIMD kernel on the persistent thread pool. The math is in kernel_hwy-inl.h.
 #include <algorithm>
 #include <atomic>
 #include <cassert>
@@ -90,7 +90,7 @@ int64_t parallel_min_bytes() { return g_parallel_min_bytes.load(std::memory_orde
 BackendLimits cpu_limits() {
   BackendLimits l;
   l.name = "cpu";
-  l.max_angle = kMaxAngle;  // kernel_hwy.cpp: the angle in double, one-rounding reduction
+  l.max_angle = kMaxAngle;  // kernel_hwy-inl.h: the angle in double, one-rounding reduction
   return l;
 }
 

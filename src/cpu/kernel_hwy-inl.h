@@ -1,0 +1,1238 @@
+// The Highway CPU kernel, per SIMD target: kernel_hwy_targets.h includes this file once per
+// target (foreach_target.h) and kernel_hwy.cpp picks one at run time (HWY_DYNAMIC_DISPATCH);
+// no global -march flags. Each target's definitions are compiled in one of the
+// kernel_hwy_part*.cpp files (ROPEPOOL_HWY_HERE below), so the targets compile in parallel;
+// every other pass, kernel_hwy.cpp's included, sees the declarations alone.
+//
+// Per token: one sin/cos table (R/2 entries) shared by every q and k head of the token;
+// per head: load pairs (x[i], x[i + R/2]) widened to float32, rotate, round once and store.
+// A kv head's rotated row goes to k_out and to its pool row from the same registers, and its
+// v row is copied to the v pool row.
+//
+// bfloat16 rows take a permute-free path: a bf16 is the top half of a float32, so one vector
+// of 2N bf16 read as N uint32 lanes yields the even-indexed elements (shift left 16) and the
+// odd-indexed ones (mask) as two float vectors, and two rounded float vectors recombine into
+// 2N bf16 with a shift and a bit-select. The sin/cos table is kept in the same (even, odd)
+// order per chunk of 2N pairs (inv_freq is permuted once per block), so the rotation itself
+// is unchanged. Compared with widening N elements at a time this halves the shuffles and
+// stores (in-cache speed +~35% on AVX-512).
+
+// Per-target include guard (Highway's toggle idiom).
+#if defined(ROPEPOOL_SRC_CPU_KERNEL_HWY_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef ROPEPOOL_SRC_CPU_KERNEL_HWY_INL_H_
+#undef ROPEPOOL_SRC_CPU_KERNEL_HWY_INL_H_
+#else
+#define ROPEPOOL_SRC_CPU_KERNEL_HWY_INL_H_
+#endif
+
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "hwy/cache_control.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+
+#include "cpu_kernels.hpp"
+#include "ropepool/half.hpp"
+#include "ropepool/schedule.hpp"
+
+// Whether this pass defines the current target's functions: in kernel_hwy_part<k>.cpp
+// (ROPEPOOL_HWY_PART = k) the targets whose bit index in Highway's target mask is k modulo
+// kernel_hwy_targets.h's four parts (Highway 1.0.3 on x86: AVX3 and SSSE3 in part 0, AVX2 in
+// 1, SCALAR in 2, SSE4 in 3), so each target is defined exactly once in the library.
+#undef ROPEPOOL_HWY_HERE
+#if defined(ROPEPOOL_HWY_PART) && ((HWY_TARGET >> ROPEPOOL_HWY_PART) & 0x1111111111111111LL)
+#define ROPEPOOL_HWY_HERE 1
+#else
+#define ROPEPOOL_HWY_HERE 0
+#endif
+
+HWY_BEFORE_NAMESPACE();
+namespace ropepool::detail::cpu {
+namespace HWY_NAMESPACE {
+
+// What kernel_hwy.cpp dispatches to (HWY_EXPORT).
+void RunBlock(const CallPlan& plan, const Block& block);
+void SinCosTable(const double* HWY_RESTRICT inv_freq, int64_t n, int64_t pos, float scale,
+                 float* HWY_RESTRICT cos_out, float* HWY_RESTRICT sin_out,
+                 const double* HWY_RESTRICT pos_per_freq);
+void DemoteRow(DType dtype, const float* in, void* out, int64_t n);
+void PromoteRow(DType dtype, const void* in, float* out, int64_t n);
+void QuantizeE4M3Row(const float* in, uint8_t* out, int64_t n, float scale);
+void QuantizeE4M3BF16Row(const uint16_t* in, uint8_t* out, int64_t n, float scale);
+
+#if ROPEPOOL_HWY_HERE
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+using DU16 = hn::Rebind<uint16_t, DF>;  // half-width: one uint16 per float lane
+using VU16 = hn::Vec<DU16>;
+
+// Element formats: storage type, widening load and rounding store (RNE, NaN kept NaN).
+struct Float32 {
+  using T = float;
+  static VF load(DF df, const T* p) { return hn::LoadU(df, p); }
+  static float scalar_load(T x) { return x; }
+  static T scalar_store(float x) { return x; }
+};
+
+// Round float32 to bfloat16, to nearest even, with integer ops (Highway 1.0.3's DemoteTo
+// truncates): adding 0x7fff plus the lowest kept bit carries into the kept bits exactly when
+// the dropped half is above a tie, or a tie with an odd kept part. The result is in the upper
+// 16 bits of each lane. NaN needs no special case here: every NaN the kernel can produce is
+// either an input bf16 NaN (quiet after arithmetic, low 16 bits zero) or the default NaN of
+// an invalid operation (low 16 bits zero), and a zero low half never carries, so NaN stays
+// NaN. (ropepool::float_to_bf16, for arbitrary floats, does check.)
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> RoundToBF16High(VF v) {
+  const hn::RebindToUnsigned<DF> du32;
+  const auto u = hn::BitCast(du32, v);
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  // The same sum in three instructions instead of four: the kept bit tested into a mask
+  // register selects an add of 1 (a masked add).
+  const auto t = hn::Add(u, hn::Set(du32, 0x7fffu));
+  return hn::IfThenElse(hn::TestBit(u, hn::Set(du32, 0x10000u)), hn::Add(t, hn::Set(du32, 1u)), t);
+#else
+  return hn::Add(u, hn::Add(hn::Set(du32, 0x7fffu), hn::And(hn::ShiftRight<16>(u), hn::Set(du32, 1u))));
+#endif
+}
+
+struct BFloat16 {
+  using T = uint16_t;
+  static VF load(DF df, const T* p) {
+    const hn::RebindToUnsigned<DF> du32;
+    return hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(DU16(), p))));
+  }
+  static VU16 store_bits(DF /*df*/, VF v) {
+    const hn::RebindToSigned<DF> di32;
+    return hn::DemoteTo(DU16(), hn::BitCast(di32, hn::ShiftRight<16>(RoundToBF16High(v))));
+  }
+  static float scalar_load(T x) { return bf16_to_float(x); }
+  static T scalar_store(float x) { return float_to_bf16(x); }
+};
+
+// The even/odd bf16 path: 2N elements <-> (even, odd) float vectors of N lanes (not on the
+// one-lane HWY_SCALAR target, which takes the generic path).
+#if HWY_TARGET != HWY_SCALAR
+constexpr bool kEvenOddBF16 = true;
+using DU16Full = hn::Repartition<uint16_t, DF>;
+HWY_INLINE void LoadBF16EvenOdd(const uint16_t* p, VF& even, VF& odd) {
+  const DF df;
+  const hn::RebindToUnsigned<DF> du32;
+  const auto v = hn::BitCast(du32, hn::LoadU(DU16Full(), p));
+  even = hn::BitCast(df, hn::ShiftLeft<16>(v));
+  odd = hn::BitCast(df, hn::And(v, hn::Set(du32, 0xffff0000u)));
+}
+HWY_INLINE hn::Vec<DU16Full> PackBF16EvenOdd(VF even, VF odd) {
+  const hn::RebindToUnsigned<DF> du32;
+  return hn::BitCast(DU16Full(), hn::OrAnd(hn::ShiftRight<16>(RoundToBF16High(even)),
+                                           RoundToBF16High(odd), hn::Set(du32, 0xffff0000u)));
+}
+#else
+constexpr bool kEvenOddBF16 = false;
+#endif
+
+#undef ROPEPOOL_HWY_F16C  // defined once per target
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+#define ROPEPOOL_HWY_F16C 1
+#else
+#define ROPEPOOL_HWY_F16C 0
+#endif
+
+struct Float16 {
+  using T = uint16_t;
+  static VF load(DF df, const T* p) {
+#if ROPEPOOL_HWY_F16C
+    return hn::PromoteTo(df, hn::BitCast(hn::Rebind<hwy::float16_t, DF>(), hn::LoadU(DU16(), p)));
+#else
+    // Highway 1.0.3's emulated PromoteTo turns inf/NaN into large finite numbers; this is
+    // ropepool::half_to_float in vector form.
+    const hn::RebindToUnsigned<DF> du32;
+    const hn::RebindToSigned<DF> di32;
+    const auto h = hn::PromoteTo(du32, hn::LoadU(DU16(), p));
+    const auto sign = hn::ShiftLeft<16>(hn::And(h, hn::Set(du32, 0x8000u)));
+    const auto exp = hn::And(hn::ShiftRight<10>(h), hn::Set(du32, 0x1fu));
+    const auto man = hn::And(h, hn::Set(du32, 0x3ffu));
+    const auto normal = hn::Or(hn::ShiftLeft<23>(hn::Add(exp, hn::Set(du32, 112u))),
+                               hn::ShiftLeft<13>(man));
+    const auto special = hn::Or(hn::Set(du32, 0x7f800000u), hn::ShiftLeft<13>(man));
+    const auto subnormal = hn::BitCast(  // man * 2^-24, exact
+        du32, hn::Mul(hn::ConvertTo(df, hn::BitCast(di32, man)), hn::Set(df, 1.0f / 16777216.0f)));
+    const auto exp_i = hn::BitCast(di32, exp);
+    auto bits = hn::IfThenElse(hn::RebindMask(du32, hn::Eq(exp_i, hn::Zero(di32))), subnormal, normal);
+    bits = hn::IfThenElse(hn::RebindMask(du32, hn::Eq(exp_i, hn::Set(di32, 0x1f))), special, bits);
+    return hn::BitCast(df, hn::Or(bits, sign));
+#endif
+  }
+  static VU16 store_bits(DF df, VF v) {
+#if ROPEPOOL_HWY_F16C
+    (void)df;
+    // F16C vcvtps2ph with rounding control 0: round to nearest even, NaN stays NaN.
+    return hn::BitCast(DU16(), hn::DemoteTo(hn::Rebind<hwy::float16_t, DF>(), v));
+#else
+    // Targets without F16C: Highway's emulated DemoteTo truncates the mantissa, so this is
+    // ropepool::float_to_half in vector form.
+    const hn::RebindToUnsigned<DF> du32;
+    const hn::RebindToSigned<DF> di32;
+    const auto u = hn::BitCast(du32, v);
+    const auto sign = hn::And(hn::ShiftRight<16>(u), hn::Set(du32, 0x8000u));
+    const auto abs = hn::And(u, hn::Set(du32, 0x7fffffffu));
+    const auto abs_i = hn::BitCast(di32, abs);
+    // normal: rebias the exponent, round 23 -> 10 mantissa bits, ties to even
+    auto w = hn::Sub(abs, hn::Set(du32, 0x38000000u));
+    w = hn::Add(w, hn::Add(hn::Set(du32, 0xfffu), hn::And(hn::ShiftRight<13>(w), hn::Set(du32, 1u))));
+    auto h = hn::ShiftRight<13>(w);
+    // subnormal result: abs / 2^-24 rounded to an integer (exact scaling, RNE conversion).
+    // Only those lanes are converted, the others are zero first: Highway 1.0.3's emulated
+    // NearestInt (EMU128) casts 2^31 itself to int32, undefined behaviour (clang's UBSan
+    // reports it), and abs * 2^24 is 2^31 for |v| = 128.
+    const auto is_sub = hn::Lt(abs_i, hn::Set(di32, 0x38800000));
+    const auto sub_abs = hn::IfThenElseZero(hn::RebindMask(df, is_sub), hn::BitCast(df, abs));
+    const auto sub = hn::BitCast(du32, hn::NearestInt(hn::Mul(sub_abs, hn::Set(df, 16777216.0f))));
+    h = hn::IfThenElse(hn::RebindMask(du32, is_sub), sub, h);
+    h = hn::IfThenElse(hn::RebindMask(du32, hn::Gt(abs_i, hn::Set(di32, 0x477fefff))),
+                       hn::Set(du32, 0x7c00u), h);  // rounds to >= 65520: inf
+    const auto nan = hn::Or(hn::Set(du32, 0x7e00u),
+                            hn::And(hn::ShiftRight<13>(abs), hn::Set(du32, 0x3ffu)));
+    h = hn::IfThenElse(hn::RebindMask(du32, hn::Gt(abs_i, hn::Set(di32, 0x7f800000))), nan, h);
+    return hn::DemoteTo(DU16(), hn::BitCast(di32, hn::Or(h, sign)));
+#endif
+  }
+  static float scalar_load(T x) { return half_to_float(x); }
+  static T scalar_store(float x) { return float_to_half(x); }
+};
+
+// Non-temporal stores only where the stored vectors are full 128/256/512-bit registers.
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+constexpr bool kCanStream = true;
+#else
+constexpr bool kCanStream = false;
+#endif
+
+template <class E>
+HWY_INLINE void StoreVec(DF df, VF v, typename E::T* p, bool stream) {
+  if constexpr (!kCanStream) {
+    (void)stream;
+    if constexpr (std::is_same_v<E, Float32>)
+      hn::StoreU(v, df, p);
+    else
+      hn::StoreU(E::store_bits(df, v), DU16(), p);
+  } else if constexpr (std::is_same_v<E, Float32>) {
+    if (stream)
+      hn::Stream(v, df, p);
+    else
+      hn::StoreU(v, df, p);
+  } else {
+    const VU16 bits = E::store_bits(df, v);
+    if (stream)
+      hn::Stream(bits, DU16(), p);
+    else
+      hn::StoreU(bits, DU16(), p);
+  }
+}
+
+// Non-temporal stores need vector-aligned addresses.
+HWY_INLINE bool Aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+HWY_INLINE void CopyBytes(void* dst, const void* src, size_t n, bool stream) {
+  const hn::ScalableTag<uint8_t> d8;
+  const size_t N = hn::Lanes(d8);
+  if (!kCanStream || !stream || !Aligned(dst, N)) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  auto* out = static_cast<uint8_t*>(dst);
+  const auto* in = static_cast<const uint8_t*>(src);
+  size_t i = 0;
+  for (; i + N <= n; i += N) hn::Stream(hn::LoadU(d8, in + i), d8, out + i);
+  std::memcpy(out + i, in + i, n - i);
+}
+
+// GPT-J pairs (x[j], x[j+1]) from an even j up to rotary_dim, one at a time, then the
+// pass-through rest of the head. cos_sin(j, c, s) reads pair j's factors: the two
+// interleaved paths lay out their tables differently.
+template <class E, class CosSin>
+HWY_INLINE void InterleavedTail(const typename E::T* x, typename E::T* out, typename E::T* out2,
+                                int64_t j, int64_t rotary_dim, int64_t head_dim, CosSin cos_sin) {
+  using T = typename E::T;
+  for (; j < rotary_dim; j += 2) {
+    const float a = E::scalar_load(x[j]), b = E::scalar_load(x[j + 1]);
+    float c, s;
+    cos_sin(j, c, s);
+    const T lo = E::scalar_store(a * c - b * s), hi = E::scalar_store(a * s + b * c);
+    out[j] = lo;
+    out[j + 1] = hi;
+    if (out2) {
+      out2[j] = lo;
+      out2[j + 1] = hi;
+    }
+  }
+  copy_pass_through(x, out, out2, rotary_dim, head_dim);
+}
+
+// One head: rotate the pairs (x[i], x[i + R/2]) for i in [first_pair, R/2) into `out` (and
+// `out2` when not null), copy x[R, D).
+template <class E>
+HWY_INLINE void RotateRow(const typename E::T* x, typename E::T* out,
+                          typename E::T* out2, const float* HWY_RESTRICT cos_t,
+                          const float* HWY_RESTRICT sin_t, int64_t rotary_dim, int64_t head_dim,
+                          bool stream, int64_t first_pair = 0) {
+  using T = typename E::T;
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const int64_t half = rotary_dim / 2;
+  const size_t vec_bytes = size_t(N) * sizeof(T);
+  const size_t half_bytes = size_t(half) * sizeof(T);
+  // Streaming only when every vector store lands aligned (the second half starts at
+  // out + half, so half * sizeof(T) must keep the alignment too).
+  if (stream) {
+    stream = half_bytes % vec_bytes == 0 && Aligned(out, vec_bytes) &&
+             (out2 == nullptr || Aligned(out2, vec_bytes));
+  }
+  int64_t i = first_pair;
+  for (; i + N <= half; i += N) {
+    const VF a = E::load(df, x + i);
+    const VF b = E::load(df, x + half + i);
+    const VF c = hn::LoadU(df, cos_t + i);
+    const VF s = hn::LoadU(df, sin_t + i);
+    const VF lo = hn::MulSub(a, c, hn::Mul(b, s));  // a*cos - b*sin
+    const VF hi = hn::MulAdd(a, s, hn::Mul(b, c));  // a*sin + b*cos
+    StoreVec<E>(df, lo, out + i, stream);
+    StoreVec<E>(df, hi, out + half + i, stream);
+    if (out2) {
+      StoreVec<E>(df, lo, out2 + i, stream);
+      StoreVec<E>(df, hi, out2 + half + i, stream);
+    }
+  }
+  for (; i < half; ++i) {  // tail when R/2 is not a multiple of the vector length
+    const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + half]);
+    const T lo = E::scalar_store(a * cos_t[i] - b * sin_t[i]);
+    const T hi = E::scalar_store(a * sin_t[i] + b * cos_t[i]);
+    out[i] = lo;
+    out[i + half] = hi;
+    if (out2) {
+      out2[i] = lo;
+      out2[i + half] = hi;
+    }
+  }
+  copy_pass_through(x, out, out2, rotary_dim, head_dim);
+}
+
+#if HWY_TARGET != HWY_SCALAR
+HWY_INLINE void StoreU16(hn::Vec<DU16Full> bits, uint16_t* p, bool stream) {
+  if constexpr (kCanStream) {
+    if (stream) return hn::Stream(bits, DU16Full(), p);
+  }
+  (void)stream;
+  hn::StoreU(bits, DU16Full(), p);
+}
+
+// The 2N half-split pairs of a bfloat16 head at i, rotated with the table in (even, odd) order:
+// the first halves' results (lo) and the second halves' (hi), as (even, odd) float vectors.
+HWY_INLINE void RotateChunkBF16(const uint16_t* x, int64_t half, int64_t i, const float* HWY_RESTRICT cos_t,
+                                const float* HWY_RESTRICT sin_t, VF& lo_even, VF& lo_odd, VF& hi_even,
+                                VF& hi_odd) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  VF a_even, a_odd, b_even, b_odd;
+  LoadBF16EvenOdd(x + i, a_even, a_odd);
+  LoadBF16EvenOdd(x + half + i, b_even, b_odd);
+  const VF c_even = hn::LoadU(df, cos_t + i), c_odd = hn::LoadU(df, cos_t + i + N);
+  const VF s_even = hn::LoadU(df, sin_t + i), s_odd = hn::LoadU(df, sin_t + i + N);
+  lo_even = hn::MulSub(a_even, c_even, hn::Mul(b_even, s_even));
+  lo_odd = hn::MulSub(a_odd, c_odd, hn::Mul(b_odd, s_odd));
+  hi_even = hn::MulAdd(a_even, s_even, hn::Mul(b_even, c_even));
+  hi_odd = hn::MulAdd(a_odd, s_odd, hn::Mul(b_odd, c_odd));
+}
+
+// bfloat16, half-split pairs, with the table in (even, odd) order per chunk of 2N pairs (see
+// the file comment); the pairs past the last whole chunk take the generic path.
+HWY_INLINE void RotateRowBF16(const uint16_t* x, uint16_t* out, uint16_t* out2,
+                              const float* HWY_RESTRICT cos_t, const float* HWY_RESTRICT sin_t,
+                              int64_t rotary_dim, int64_t head_dim, bool stream) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const int64_t half = rotary_dim / 2;
+  const size_t vec_bytes = size_t(2 * N) * sizeof(uint16_t);
+  const bool stream_here = stream && size_t(half) * sizeof(uint16_t) % vec_bytes == 0 &&
+                     Aligned(out, vec_bytes) && (out2 == nullptr || Aligned(out2, vec_bytes));
+  int64_t i = 0;
+  for (; i + 2 * N <= half; i += 2 * N) {
+    VF lo_even, lo_odd, hi_even, hi_odd;
+    RotateChunkBF16(x, half, i, cos_t, sin_t, lo_even, lo_odd, hi_even, hi_odd);
+    const auto lo = PackBF16EvenOdd(lo_even, lo_odd), hi = PackBF16EvenOdd(hi_even, hi_odd);
+    StoreU16(lo, out + i, stream_here);
+    StoreU16(hi, out + half + i, stream_here);
+    if (out2) {
+      StoreU16(lo, out2 + i, stream_here);
+      StoreU16(hi, out2 + half + i, stream_here);
+    }
+  }
+  RotateRow<BFloat16>(x, out, out2, cos_t, sin_t, rotary_dim, head_dim, stream, i);
+}
+
+// bfloat16, GPT-J pairs: the even/odd split is exactly (a, b), the table stays in order.
+HWY_INLINE void RotateRowInterleavedBF16(const uint16_t* x, uint16_t* out, uint16_t* out2,
+                                         const float* HWY_RESTRICT cos_t,
+                                         const float* HWY_RESTRICT sin_t, int64_t rotary_dim,
+                                         int64_t head_dim, bool stream) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const size_t vec_bytes = size_t(2 * N) * sizeof(uint16_t);
+  const bool stream_here =
+      stream && Aligned(out, vec_bytes) && (out2 == nullptr || Aligned(out2, vec_bytes));
+  int64_t j = 0;
+  for (; j + 2 * N <= rotary_dim; j += 2 * N) {
+    VF a, b;
+    LoadBF16EvenOdd(x + j, a, b);
+    const VF c = hn::LoadU(df, cos_t + j / 2), s = hn::LoadU(df, sin_t + j / 2);
+    const auto r = PackBF16EvenOdd(hn::MulSub(a, c, hn::Mul(b, s)), hn::MulAdd(a, s, hn::Mul(b, c)));
+    StoreU16(r, out + j, stream_here);
+    if (out2) StoreU16(r, out2 + j, stream_here);
+  }
+  InterleavedTail<BFloat16>(x, out, out2, j, rotary_dim, head_dim,
+                            [&](int64_t p, float& c, float& s) { c = cos_t[p / 2], s = sin_t[p / 2]; });
+}
+
+// The bf16 half-split table order: within each whole chunk of 2N pairs, the even-indexed
+// frequencies first, then the odd ones; the rest in order.
+template <class V>
+void PermuteForBF16(const V* inv_freq, int64_t n, int64_t half, V* out) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(DF()));
+  int64_t i = 0;
+  for (; i + 2 * N <= half; i += 2 * N)
+    for (int64_t j = 0; j < N; ++j) {
+      out[i + j] = inv_freq[i + 2 * j];
+      out[i + N + j] = inv_freq[i + 2 * j + 1];
+    }
+  for (; i < n; ++i) out[i] = inv_freq[i];
+}
+#endif  // HWY_TARGET != HWY_SCALAR
+
+// pos_per_freq (mRoPE, SPEC §7): nullptr, or n positions, one per frequency (same order as
+// inv_freq), used instead of pos. Text-only mRoPE positions (three equal rows) give the same
+// products, so the same bits as the plain table.
+void SinCosTable(const double* HWY_RESTRICT inv_freq, int64_t n, int64_t pos, float scale,
+                 float* HWY_RESTRICT cos_out, float* HWY_RESTRICT sin_out,
+                 const double* HWY_RESTRICT pos_per_freq) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> df_half;  // as many floats as doubles
+  const DF df;
+  const int64_t Nd = static_cast<int64_t>(hn::Lanes(dd));
+  const int64_t Nf = static_cast<int64_t>(hn::Lanes(df));
+  // theta = pos * inv_freq in double (|theta| < 2^21 for |pos| < 2^20 keeps ~32 fraction
+  // bits), reduced to [-pi, pi]: r = theta - n * 2pi with one rounding (fused multiply-add on
+  // FMA targets); the error of the double 2pi times n (< 2^18) stays below 2^-32.
+  const auto pos_d = hn::Set(dd, static_cast<double>(pos));
+  const auto two_pi = hn::Set(dd, 6.283185307179586);
+  const auto inv_two_pi = hn::Set(dd, 0.15915494309189535);
+  auto reduce = [&](int64_t i, decltype(pos_d) pos_v) {
+    const auto theta = hn::Mul(pos_v, hn::LoadU(dd, inv_freq + i));
+    const auto turns = hn::Round(hn::Mul(theta, inv_two_pi));
+    const auto r = hn::NegMulAdd(turns, two_pi, theta);
+    // Store the float angles into sin_out, overwritten in place below.
+    hn::StoreU(hn::DemoteTo(df_half, r), df_half, sin_out + i);
+  };
+  if (pos_per_freq == nullptr) {
+    for (int64_t i = 0; i < n; i += Nd) reduce(i, pos_d);
+  } else {
+    for (int64_t i = 0; i < n; i += Nd) reduce(i, hn::LoadU(dd, pos_per_freq + i));
+  }
+  const auto vscale = hn::Set(df, scale);
+  for (int64_t i = 0; i < n; i += Nf) {
+    const VF r = hn::LoadU(df, sin_out + i);
+    hn::StoreU(hn::Mul(vscale, hn::Cos(df, r)), df, cos_out + i);
+    hn::StoreU(hn::Mul(vscale, hn::Sin(df, r)), df, sin_out + i);
+  }
+}
+
+// GPT-J pairs (x[2i], x[2i+1]): out = x * cos_il + swap_pairs(x) * sin_il, with tables that
+// repeat each frequency's cos twice and carry sin as (-sin, +sin), so the pair elements stay
+// in place in one register.
+template <class E>
+HWY_INLINE void RotateRowInterleaved(const typename E::T* x, typename E::T* out,
+                                     typename E::T* out2, const float* HWY_RESTRICT cos_il,
+                                     const float* HWY_RESTRICT sin_il, int64_t rotary_dim,
+                                     int64_t head_dim, bool stream) {
+  using T = typename E::T;
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const size_t vec_bytes = size_t(N) * sizeof(T);
+  if (stream)
+    stream = Aligned(out, vec_bytes) && (out2 == nullptr || Aligned(out2, vec_bytes));
+  int64_t j = 0;
+#if HWY_TARGET != HWY_SCALAR  // one-lane vectors hold no pair
+  for (; j + N <= rotary_dim; j += N) {
+    const VF v = E::load(df, x + j);
+    const VF r = hn::MulAdd(v, hn::LoadU(df, cos_il + j),
+                            hn::Mul(hn::Reverse2(df, v), hn::LoadU(df, sin_il + j)));
+    StoreVec<E>(df, r, out + j, stream);
+    if (out2) StoreVec<E>(df, r, out2 + j, stream);
+  }
+#endif
+  // j is even here: vectors hold whole pairs.
+  InterleavedTail<E>(x, out, out2, j, rotary_dim, head_dim,
+                     [&](int64_t p, float& c, float& s) { c = cos_il[p], s = sin_il[p + 1]; });
+}
+
+// v rounded to E's dtype and widened back, in registers (round to nearest even).
+template <class E>
+HWY_INLINE VF RoundTo(DF df, VF v) {
+  if constexpr (std::is_same_v<E, Float32>) {
+    return v;
+  } else if constexpr (std::is_same_v<E, BFloat16>) {
+    const hn::RebindToUnsigned<DF> du32;
+    return hn::BitCast(df, hn::And(RoundToBF16High(v), hn::Set(du32, 0xffff0000u)));
+  } else {
+    HWY_ALIGN uint16_t bits[hn::MaxLanes(DF())];  // the store path's rounding, then the load's widening
+    hn::Store(E::store_bits(df, v), DU16(), bits);
+    return E::load(df, bits);
+  }
+}
+
+// SPEC §7's per-head norm, in two passes over a head that stays in L1 (it is read from
+// memory once): SumSquares gives sum(x^2) in float32; with r = rsqrt(mean(x^2) + eps) in
+// float32, NormApply writes y into a scratch row the rotation then reads: "rms":
+// y = round(w * round(x * r)), "gemma": y = round(x * r * w) with w already 1 + weight.
+template <class E>
+HWY_INLINE float SumSquares(const typename E::T* x, int64_t D) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  (void)df, (void)N;
+  int64_t i = 0;
+#if HWY_TARGET == HWY_SCALAR
+  // One lane would be one long float32 chain over the head: sum in double, round once.
+  double sum_d = 0;
+  for (; i < D; ++i) sum_d += double(E::scalar_load(x[i])) * double(E::scalar_load(x[i]));
+  const float sum = static_cast<float>(sum_d);
+#else
+  VF acc = hn::Zero(df);  // N float32 partial sums
+  for (; i + N <= D; i += N) {
+    const VF v = E::load(df, x + i);
+    acc = hn::MulAdd(v, v, acc);
+  }
+  float sum = hn::GetLane(hn::SumOfLanes(df, acc));
+  for (; i < D; ++i) sum += E::scalar_load(x[i]) * E::scalar_load(x[i]);
+#endif
+  return sum;
+}
+
+// The norm's second pass, with r = rsqrt(mean(x^2) + eps) of the head.
+template <class E>
+HWY_INLINE void NormApply(const typename E::T* x, typename E::T* y, const float* HWY_RESTRICT w,
+                          float r, int64_t D, bool gemma) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const VF vr = hn::Set(df, r);
+  int64_t i = 0;
+  for (; i + N <= D; i += N) {
+    const VF n = hn::Mul(E::load(df, x + i), vr);
+    // "rms": n rounded to the input dtype (in registers), then times w
+    StoreVec<E>(df, hn::Mul(gemma ? n : RoundTo<E>(df, n), hn::LoadU(df, w + i)), y + i, false);
+  }
+  for (; i < D; ++i) {
+    const float n = E::scalar_load(x[i]) * r;
+    y[i] = gemma ? E::scalar_store(n * w[i])
+                 : E::scalar_store(E::scalar_load(E::scalar_store(n)) * w[i]);
+  }
+}
+
+// ---- float8 e4m3fn pools and q_rot (SPEC §6) ------------------------------------------------
+//
+// Stored element = e4m3(x / scale): the division in float32, then round to nearest even,
+// magnitudes beyond 448 (infinities included) saturate to +-448, NaN stays NaN. This is
+// ropepool::float_to_e4m3 in vector form, on the float32 bits, with the float adder doing the
+// rounding: |x| (clamped to 448) plus c = 2^(e + 20), where 2^e is |x|'s binade but at least
+// 2^-6 (the smallest normal e4m3), is a float32 whose ulp is 2^(e - 3), the e4m3 step of that
+// binade (subnormals: 2^-9), so the addition rounds |x| to the e4m3 grid, to nearest even,
+// exactly once. The sum's bits minus c's bits count the steps above c: 8 + m for a normal
+// result with mantissa m (16 when it carries into the next binade), and the subnormal code
+// itself below 2^-6; adding the code of 2^e less 8 gives the e4m3 code in both cases. About
+// half the operations of rebias-and-round with a separate subnormal path.
+using DU8 = hn::Rebind<uint8_t, DF>;  // one byte per float lane
+using DU32 = hn::RebindToUnsigned<DF>;
+
+// e4m3(x) in the low byte of each 32-bit lane, the other bits zero.
+HWY_INLINE hn::Vec<DU32> E4M3Code(DF df, VF x) {
+  const DU32 du32;
+  const hn::RebindToSigned<DF> di32;
+  const auto u = hn::BitCast(du32, x);
+  const auto abs_i = hn::BitCast(di32, hn::And(u, hn::Set(du32, 0x7fffffffu)));
+  // beyond 448, infinities included: 448 (NaN too, fixed below)
+  const auto a = hn::BitCast(du32, hn::Min(abs_i, hn::Set(di32, 0x43e00000)));
+  const auto binade = hn::Max(hn::And(a, hn::Set(du32, 0x7f800000u)), hn::Set(du32, 0x3c800000u));
+  const auto c = hn::Add(binade, hn::Set(du32, 20u << 23));  // 2^(e + 20)
+  const auto sum = hn::BitCast(du32, hn::Add(hn::BitCast(df, a), hn::BitCast(df, c)));
+  // binade >> 20 is 8 * (e + 127); the code of 2^e is 8 * (e + 7), and 2^-6's is 8
+  auto code = hn::Add(hn::Sub(sum, c), hn::Sub(hn::ShiftRight<20>(binade), hn::Set(du32, 968u)));
+  code = hn::IfThenElse(hn::RebindMask(du32, hn::Gt(abs_i, hn::Set(di32, 0x7f800000))),
+                        hn::Set(du32, 0x7fu), code);  // NaN
+  return hn::OrAnd(code, hn::ShiftRight<24>(u), hn::Set(du32, 0x80u));
+}
+
+HWY_INLINE hn::Vec<DU8> ToE4M3(DF df, VF x) { return hn::TruncateTo(DU8(), E4M3Code(df, x)); }
+
+// The division by a scale, as SPEC §6 says (float32, IEEE). When 1/scale is exact in
+// float32 (a power-of-two scale, vLLM's default 1.0 among them), x * (1/scale) is the same
+// real number as x / scale, so it rounds to the same float: a multiply instead of a divide,
+// which costs about as much as the whole rest of the quantisation.
+struct Divisor {
+  float scale = 1.0f, reciprocal = 1.0f;
+  bool exact_reciprocal = true;
+  explicit Divisor(float s) : scale(s), reciprocal(1.0f / s) {
+    exact_reciprocal = std::isfinite(reciprocal) && reciprocal != 0.0f &&
+                       (float_bits(s) & 0x7fffffu) == 0 && (float_bits(s) & 0x7f800000u) != 0;
+  }
+};
+
+// out[i] = e4m3(in[i] / scale) for a float32 row (the rotated values) or, with E, a row of
+// q's dtype (v).
+template <class E>
+HWY_INLINE void QuantizeRow(const typename E::T* in, uint8_t* out, int64_t n, const Divisor& d) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  if (d.exact_reciprocal) {
+    const VF r = hn::Set(df, d.reciprocal);
+    for (; i + N <= n; i += N) hn::StoreU(ToE4M3(df, hn::Mul(E::load(df, in + i), r)), DU8(), out + i);
+  } else {
+    const VF s = hn::Set(df, d.scale);
+    for (; i + N <= n; i += N) hn::StoreU(ToE4M3(df, hn::Div(E::load(df, in + i), s)), DU8(), out + i);
+  }
+  for (; i < n; ++i) out[i] = float_to_e4m3(E::scalar_load(in[i]) / d.scale);
+}
+
+// One head rotated into float32 (before rounding to q's dtype): f[0, R) rotated with the
+// same float32 operations as RotateRow / RotateRowInterleaved, f[R, D) the input as read.
+template <class E>
+HWY_INLINE void RotateRowToFloat(const typename E::T* x, float* HWY_RESTRICT f,
+                                 const float* HWY_RESTRICT cos_t, const float* HWY_RESTRICT sin_t,
+                                 const float* HWY_RESTRICT cos_il, const float* HWY_RESTRICT sin_il,
+                                 int64_t rotary_dim, int64_t head_dim, bool interleaved) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  if (interleaved) {
+#if HWY_TARGET != HWY_SCALAR
+    for (; i + N <= rotary_dim; i += N) {
+      const VF v = E::load(df, x + i);
+      hn::StoreU(hn::MulAdd(v, hn::LoadU(df, cos_il + i),
+                            hn::Mul(hn::Reverse2(df, v), hn::LoadU(df, sin_il + i))),
+                 df, f + i);
+    }
+#endif
+    for (; i < rotary_dim; i += 2) {
+      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + 1]);
+      const float c = cos_il[i], s = sin_il[i + 1];
+      f[i] = a * c - b * s;
+      f[i + 1] = a * s + b * c;
+    }
+  } else {
+    const int64_t half = rotary_dim / 2;
+    for (; i + N <= half; i += N) {
+      const VF a = E::load(df, x + i), b = E::load(df, x + half + i);
+      const VF c = hn::LoadU(df, cos_t + i), s = hn::LoadU(df, sin_t + i);
+      hn::StoreU(hn::MulSub(a, c, hn::Mul(b, s)), df, f + i);
+      hn::StoreU(hn::MulAdd(a, s, hn::Mul(b, c)), df, f + half + i);
+    }
+    for (; i < half; ++i) {
+      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + half]);
+      f[i] = a * cos_t[i] - b * sin_t[i];
+      f[i + half] = a * sin_t[i] + b * cos_t[i];
+    }
+  }
+  i = rotary_dim;
+  for (; i + N <= head_dim; i += N) hn::StoreU(E::load(df, x + i), df, f + i);
+  for (; i < head_dim; ++i) f[i] = E::scalar_load(x[i]);
+}
+
+// A float32 row rounded once to q's dtype.
+template <class E>
+HWY_INLINE void DemoteRowTo(const float* f, typename E::T* out, int64_t n, bool stream) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  stream = stream && Aligned(out, size_t(N) * sizeof(typename E::T));
+  int64_t i = 0;
+  for (; i + N <= n; i += N) StoreVec<E>(df, hn::LoadU(df, f + i), out + i, stream);
+  for (; i < n; ++i) out[i] = E::scalar_store(f[i]);
+}
+
+HWY_INLINE float ScaleValue(const Scale& s) { return s.ptr ? *s.ptr : s.value; }
+
+// A kv slot's address in a pool of element size `elem` (SPEC §6 paging; 3-D pools are
+// page_size 1).
+HWY_INLINE char* PoolRow(const PoolRows& r, int64_t page, int64_t row, int64_t head, size_t elem) {
+  return static_cast<char*>(r.data) +
+         (page * r.page_stride + row * r.row_stride + head * r.head_stride) * int64_t(elem);
+}
+
+// x / scale with the Divisor's choice of operation (see Divisor).
+HWY_INLINE VF Scaled(DF df, VF x, const Divisor& d) {
+  return d.exact_reciprocal ? hn::Mul(x, hn::Set(df, d.reciprocal)) : hn::Div(x, hn::Set(df, d.scale));
+}
+
+// One head rotated and quantised straight to e4m3 (fp8 q_rot): the rotation of
+// RotateRowToFloat, each vector divided by the scale and converted without a float32 row in
+// between; the pass-through elements quantised as read.
+template <class E>
+HWY_INLINE void RotateRowToE4M3(const typename E::T* x, uint8_t* out, const float* HWY_RESTRICT cos_t,
+                                const float* HWY_RESTRICT sin_t, const float* HWY_RESTRICT cos_il,
+                                const float* HWY_RESTRICT sin_il, int64_t rotary_dim,
+                                int64_t head_dim, bool interleaved, const Divisor& d) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  if (interleaved) {
+#if HWY_TARGET != HWY_SCALAR
+    for (; i + N <= rotary_dim; i += N) {
+      const VF v = E::load(df, x + i);
+      const VF r = hn::MulAdd(v, hn::LoadU(df, cos_il + i),
+                              hn::Mul(hn::Reverse2(df, v), hn::LoadU(df, sin_il + i)));
+      hn::StoreU(ToE4M3(df, Scaled(df, r, d)), DU8(), out + i);
+    }
+#endif
+    for (; i < rotary_dim; i += 2) {
+      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + 1]);
+      const float c = cos_il[i], s = sin_il[i + 1];
+      out[i] = float_to_e4m3((a * c - b * s) / d.scale);
+      out[i + 1] = float_to_e4m3((a * s + b * c) / d.scale);
+    }
+  } else {
+    const int64_t half = rotary_dim / 2;
+    for (; i + N <= half; i += N) {
+      const VF a = E::load(df, x + i), b = E::load(df, x + half + i);
+      const VF c = hn::LoadU(df, cos_t + i), s = hn::LoadU(df, sin_t + i);
+      hn::StoreU(ToE4M3(df, Scaled(df, hn::MulSub(a, c, hn::Mul(b, s)), d)), DU8(), out + i);
+      hn::StoreU(ToE4M3(df, Scaled(df, hn::MulAdd(a, s, hn::Mul(b, c)), d)), DU8(), out + half + i);
+    }
+    for (; i < half; ++i) {
+      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + half]);
+      out[i] = float_to_e4m3((a * cos_t[i] - b * sin_t[i]) / d.scale);
+      out[i + half] = float_to_e4m3((a * sin_t[i] + b * cos_t[i]) / d.scale);
+    }
+  }
+  if (rotary_dim < head_dim) QuantizeRow<E>(x + rotary_dim, out + rotary_dim, head_dim - rotary_dim, d);
+}
+
+#if HWY_TARGET != HWY_SCALAR
+// The e4m3 codes of 2N elements held as (even, odd) float vectors (the bf16 split of the file
+// comment), in memory order: lane j's code pair (even | odd << 8) truncated to 16 bits is
+// bytes 2j and 2j + 1 (half a vector of bytes).
+HWY_INLINE VU16 E4M3EvenOdd(DF df, VF even, VF odd) {
+  return hn::TruncateTo(DU16(), hn::Or(E4M3Code(df, even), hn::ShiftLeft<8>(E4M3Code(df, odd))));
+}
+
+using DU8Full = hn::Repartition<uint8_t, DF>;
+
+// Stores the codes of 2N elements (half a vector).
+HWY_INLINE void StoreE4M3Half(VU16 codes, uint8_t* p) {
+  hn::StoreU(hn::BitCast(hn::Repartition<uint8_t, DU16>(), codes), hn::Repartition<uint8_t, DU16>(), p);
+}
+
+// Stores the codes of 4N elements, [0, 2N) in `lower`, as one full vector: a non-temporal
+// store where `stream` (p vector-aligned). The e4m3 rows are written this way, straight from
+// registers, rather than through a staging row in L1: two half-vector stores read back as one
+// full vector miss store-to-load forwarding, which stalled the staging copy.
+HWY_INLINE void StoreE4M3Full(VU16 lower, VU16 upper, uint8_t* p, bool stream) {
+  const auto bytes = hn::BitCast(DU8Full(), hn::Combine(DU16Full(), upper, lower));
+  if constexpr (kCanStream) {
+    if (stream) return hn::Stream(bytes, DU8Full(), p);
+  }
+  (void)stream;
+  hn::StoreU(bytes, DU8Full(), p);
+}
+
+// QuantizeRow for a bfloat16 row (v): 4N elements per step through the even/odd split (the
+// stores non-temporal where `stream` and `out` is vector-aligned), then 2N, then the rest.
+HWY_INLINE void QuantizeRowBF16(const uint16_t* in, uint8_t* out, int64_t n, const Divisor& d,
+                                bool stream) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  stream = stream && Aligned(out, size_t(4 * N));
+  int64_t i = 0;
+  auto codes = [&](int64_t at) {
+    VF even, odd;
+    LoadBF16EvenOdd(in + at, even, odd);
+    return E4M3EvenOdd(df, Scaled(df, even, d), Scaled(df, odd, d));
+  };
+  for (; i + 4 * N <= n; i += 4 * N) StoreE4M3Full(codes(i), codes(i + 2 * N), out + i, stream);
+  for (; i + 2 * N <= n; i += 2 * N) StoreE4M3Half(codes(i), out + i);
+  QuantizeRow<BFloat16>(in + i, out + i, n - i, d);
+}
+
+// A bfloat16 k head with half-split pairs and an fp8 pool, for R/2 a multiple of 2N: the
+// rotation of RotateRowBF16 (table in its (even, odd) order), k_rot rounded and stored as it
+// stores it, and the same float32 registers, before that rounding, divided by the scale and
+// quantised into the pool row (`pool` may be null: no slot). No float32 row in between; the
+// pass-through elements are copied and quantised as read. `stream`: non-temporal stores for
+// k_rot and the pool row where they are vector-aligned.
+HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t* pool,
+                                      const float* HWY_RESTRICT cos_t,
+                                      const float* HWY_RESTRICT sin_t, int64_t rotary_dim,
+                                      int64_t head_dim, bool stream, const Divisor& d) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const int64_t half = rotary_dim / 2;
+  const size_t vec_bytes = size_t(2 * N) * sizeof(uint16_t);
+  const bool stream_here = stream && size_t(half) * sizeof(uint16_t) % vec_bytes == 0 &&
+                           Aligned(out, vec_bytes);
+  // the pool row in whole vectors of 4N codes: both halves start vector-aligned
+  const bool stream_pool = stream && pool && half % (4 * N) == 0 && Aligned(pool, size_t(4 * N));
+  // One chunk of 2N pairs at i: k_rot stored, the e4m3 codes of [i, i + 2N) and
+  // [half + i, half + i + 2N) returned.
+  auto chunk = [&](int64_t i, VU16& lo_codes, VU16& hi_codes) {
+    VF lo_even, lo_odd, hi_even, hi_odd;
+    RotateChunkBF16(x, half, i, cos_t, sin_t, lo_even, lo_odd, hi_even, hi_odd);
+    StoreU16(PackBF16EvenOdd(lo_even, lo_odd), out + i, stream_here);
+    StoreU16(PackBF16EvenOdd(hi_even, hi_odd), out + half + i, stream_here);
+    if (pool) {
+      lo_codes = E4M3EvenOdd(df, Scaled(df, lo_even, d), Scaled(df, lo_odd, d));
+      hi_codes = E4M3EvenOdd(df, Scaled(df, hi_even, d), Scaled(df, hi_odd, d));
+    }
+  };
+  VU16 lo0, hi0, lo1, hi1;
+  int64_t i = 0;
+  if (pool) {
+    for (; i + 4 * N <= half; i += 4 * N) {
+      chunk(i, lo0, hi0);
+      chunk(i + 2 * N, lo1, hi1);
+      StoreE4M3Full(lo0, lo1, pool + i, stream_pool);
+      StoreE4M3Full(hi0, hi1, pool + half + i, stream_pool);
+    }
+  }
+  for (; i < half; i += 2 * N) {
+    chunk(i, lo0, hi0);
+    if (pool) {
+      StoreE4M3Half(lo0, pool + i);
+      StoreE4M3Half(hi0, pool + half + i);
+    }
+  }
+  copy_pass_through(x, out, static_cast<uint16_t*>(nullptr), rotary_dim, head_dim);
+  if (pool && rotary_dim < head_dim)
+    QuantizeRowBF16(x + rotary_dim, pool + rotary_dim, head_dim - rotary_dim, d, stream_pool);
+}
+#endif
+
+// kQuant: an fp8 pool and/or an fp8 q_rot (SPEC §6). Heads whose outputs are all in q's
+// dtype take the plain path; a k head with fp8 pools is rotated into a float32 row that is
+// rounded to q's dtype (k_rot: the plain path's bits) and quantised (the pool row), except a
+// bfloat16 half-split head of whole chunks, which does both from registers
+// (RotateRowBF16WithE4M3); an fp8
+// q_rot head is rotated and quantised in one pass. Scale tensors are read here, when the
+// kernel runs.
+#if HWY_TARGET != HWY_SCALAR
+// NormRow for bfloat16 through the permute-free (even, odd) split of the file comment: 2N
+// elements per step; `w` is in (even, odd) order per whole chunk of 2N (PermuteForBF16 over
+// the head), in order for the rest.
+HWY_INLINE float SumSquaresBF16(const uint16_t* x, int64_t D) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  VF acc_e = hn::Zero(df), acc_o = hn::Zero(df);
+  int64_t i = 0;
+  for (; i + 2 * N <= D; i += 2 * N) {
+    VF e, o;
+    LoadBF16EvenOdd(x + i, e, o);
+    acc_e = hn::MulAdd(e, e, acc_e);
+    acc_o = hn::MulAdd(o, o, acc_o);
+  }
+  float sum = hn::GetLane(hn::SumOfLanes(df, hn::Add(acc_e, acc_o)));
+  for (; i < D; ++i) sum += bf16_to_float(x[i]) * bf16_to_float(x[i]);
+  return sum;
+}
+
+HWY_INLINE void NormApplyBF16(const uint16_t* x, uint16_t* y, const float* HWY_RESTRICT w,
+                              float r, int64_t D, bool gemma) {
+  const DF df;
+  const hn::RebindToUnsigned<DF> du32;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const int64_t whole = D / (2 * N) * (2 * N);
+  int64_t i = 0;
+  const VF vr = hn::Set(df, r);
+  const auto keep = hn::Set(du32, 0xffff0000u);
+  for (i = 0; i < whole; i += 2 * N) {
+    VF e, o;
+    LoadBF16EvenOdd(x + i, e, o);
+    e = hn::Mul(e, vr);
+    o = hn::Mul(o, vr);
+    if (!gemma) {  // "rms": rounded to bfloat16 (in registers), then times w
+      e = hn::BitCast(df, hn::And(RoundToBF16High(e), keep));
+      o = hn::BitCast(df, hn::And(RoundToBF16High(o), keep));
+    }
+    StoreU16(PackBF16EvenOdd(hn::Mul(e, hn::LoadU(df, w + i)), hn::Mul(o, hn::LoadU(df, w + i + N))),
+             y + i, false);
+  }
+  for (; i < D; ++i) {
+    const float n = bf16_to_float(x[i]) * r;
+    y[i] = float_to_bf16(gemma ? n * w[i] : bf16_to_float(float_to_bf16(n)) * w[i]);
+  }
+}
+#endif
+
+template <class E, bool kQuant>
+void RunBlockT(const CallPlan& plan, const Block& block) {
+  using T = typename E::T;
+  constexpr bool kBF16 = std::is_same_v<E, BFloat16> && kEvenOddBF16;
+  const RopePoolProblem& p = *plan.problem;
+  const int64_t Hq = p.num_qo_heads, D = p.head_dim, R = p.rotary_dim;
+  // Per-thread scratch sized by head_dim (grows once, reused across calls): cos and sin
+  // (n each), the interleaved forms (2n each), the permuted inv_freq (n doubles).
+  const int64_t n = plan.table_size;
+  thread_local std::vector<float> table;
+  thread_local std::vector<double> inv_freq_permuted;
+  if (table.size() < size_t(6 * n)) table.resize(size_t(6 * n));
+  float* cos_t = table.data();
+  float* sin_t = cos_t + n;
+  float* cos_il = sin_t + n;
+  float* sin_il = cos_il + 2 * n;
+  const double* inv_freq = plan.inv_freq_padded;
+#if HWY_TARGET != HWY_SCALAR
+  if (kBF16 && !p.interleaved) {
+    if (inv_freq_permuted.size() < size_t(n)) inv_freq_permuted.resize(size_t(n));
+    PermuteForBF16(inv_freq, n, R / 2, inv_freq_permuted.data());
+    inv_freq = inv_freq_permuted.data();
+  }
+#endif
+  // mRoPE (SPEC §7): each frequency's position row, in the table's order.
+  thread_local std::vector<uint8_t> axis, axis_permuted;
+  thread_local std::vector<double> pos_per_freq;
+  const uint8_t* axis_of = nullptr;
+  if (p.mrope) {
+    axis.assign(size_t(n), 0);
+    for (int64_t i = 0; i < R / 2; ++i)
+      axis[size_t(i)] = uint8_t(mrope_axis(p.mrope_section, p.mrope_interleaved, i));
+    axis_of = axis.data();
+#if HWY_TARGET != HWY_SCALAR
+    if (kBF16 && !p.interleaved) {
+      axis_permuted.resize(size_t(n));
+      PermuteForBF16(axis.data(), n, R / 2, axis_permuted.data());
+      axis_of = axis_permuted.data();
+    }
+#endif
+    if (pos_per_freq.size() < size_t(n)) pos_per_freq.resize(size_t(n));
+  }
+  Index pos_rows[3] = {p.positions, p.positions, p.positions};  // rows of [3, T]
+  for (int r = 1; r < 3 && p.mrope; ++r)
+    pos_rows[r].data = static_cast<const char*>(p.positions.data) +
+                       r * p.positions_row_stride * (p.positions.is_int64 ? 8 : 4);
+  // QK norm (SPEC §7): the weights as float32 ("gemma": 1 + w), and a head of scratch.
+  thread_local std::vector<float> norm_w;
+  thread_local std::vector<T> normed;
+  thread_local std::vector<float> norm_r;  // per head of the block: sum of squares, then r
+  const bool q_norm = p.q_norm_weight != nullptr, k_norm = p.k_norm_weight != nullptr;
+  if (q_norm || k_norm) {
+    norm_w.resize(size_t(2 * D));
+    normed.resize(size_t(D));
+    norm_r.resize(size_t(block.head_end - block.head_begin));
+    for (int which = 0; which < 2; ++which) {
+      const void* w = which ? p.k_norm_weight : p.q_norm_weight;
+      if (!w) continue;
+      float* out = norm_w.data() + which * D;
+      PromoteRow(which ? p.k_norm_dtype : p.q_norm_dtype, w, out, D);
+      if (p.norm_gemma)
+        for (int64_t d = 0; d < D; ++d) out[d] = 1.0f + out[d];
+#if HWY_TARGET != HWY_SCALAR
+      if constexpr (kBF16) {  // NormRowBF16 reads whole chunks of 2N in (even, odd) order
+        thread_local std::vector<float> plain;
+        plain.assign(out, out + D);
+        PermuteForBF16(plain.data(), D, D, out);
+      }
+#endif
+    }
+  }
+  const bool dup_tables = p.interleaved && !kBF16;
+  const float scale = static_cast<float>(p.attention_scaling);
+  const bool stream = plan.stream_stores;
+  // kQuant: tables in plain order, interleaved ones duplicated (the bf16 paths keep their
+  // own), and one float32 row.
+  float *cos_p = cos_t, *sin_p = sin_t, *cos_pil = cos_il, *sin_pil = sin_il;
+  thread_local std::vector<float> plain_table, rotated;
+  // Large calls (stream) write e4m3 rows with non-temporal stores as well: on the float32-row
+  // path each row is quantised into this staging row (it stays in L1) and then streamed out,
+  // so its lines are not read for ownership first (RotateRowBF16WithE4M3 streams from
+  // registers).
+  thread_local std::vector<uint8_t> e4m3_stage;
+  bool fp8_pool = false, fp8_q = false, fused_k = false;
+  Divisor k_div(1.0f), v_div(1.0f), q_div(1.0f);
+  if constexpr (kQuant) {
+    fp8_pool = p.pool_dtype == DType::Float8E4M3FN;
+    fp8_q = p.q_out_dtype == DType::Float8E4M3FN;
+    k_div = Divisor(ScaleValue(p.k_scale));
+    v_div = Divisor(ScaleValue(p.v_scale));
+    q_div = Divisor(ScaleValue(p.q_scale));
+    if (rotated.size() < size_t(D)) rotated.resize(size_t(D));
+    if (e4m3_stage.size() < size_t(D)) e4m3_stage.resize(size_t(D));
+    if (kBF16) {
+      // fp8-pool k heads of whole (even, odd) chunks rotate straight from the bf16 tables
+      const int64_t chunk = 2 * static_cast<int64_t>(hn::Lanes(DF()));
+      fused_k = fp8_pool && !p.interleaved && (R / 2) % chunk == 0 && kEvenOddBF16;
+      if (plain_table.size() < size_t(6 * n)) plain_table.resize(size_t(6 * n));
+      cos_p = plain_table.data();
+      sin_p = cos_p + n;
+      cos_pil = sin_p + n;
+      sin_pil = cos_pil + 2 * n;
+    }
+  }
+  auto row = [](const Rows& r, int64_t index, int64_t head) {
+    return static_cast<T*>(r.data) + index * r.row_stride + head * r.head_stride;
+  };
+  auto pool_row = [](const PoolRows& r, int64_t page, int64_t page_row, int64_t head) {
+    return static_cast<T*>(r.data) + page * r.page_stride + page_row * r.row_stride +
+           head * r.head_stride;
+  };
+  const int64_t page_size = p.page_size;
+  for (int64_t t = block.token_begin; t < block.token_end; ++t) {
+    if (axis_of) {
+      const double pos3[3] = {double(pos_rows[0][t]), double(pos_rows[1][t]),
+                              double(pos_rows[2][t])};
+      for (int64_t i = 0; i < n; ++i) pos_per_freq[size_t(i)] = pos3[axis_of[i]];
+    }
+    SinCosTable(inv_freq, n, p.positions[t], scale, cos_t, sin_t,
+                axis_of ? pos_per_freq.data() : nullptr);
+    if (dup_tables) {
+      for (int64_t i = 0; i < n; ++i) {
+        cos_il[2 * i] = cos_il[2 * i + 1] = cos_t[i];
+        sin_il[2 * i] = -sin_t[i];
+        sin_il[2 * i + 1] = sin_t[i];
+      }
+    }
+    if constexpr (kQuant && kBF16) {
+      if (p.interleaved) {  // the bf16 GPT-J path reads cos_t/sin_t in plain order
+        for (int64_t i = 0; i < n; ++i) {
+          cos_pil[2 * i] = cos_pil[2 * i + 1] = cos_t[i];
+          sin_pil[2 * i] = -sin_t[i];
+          sin_pil[2 * i + 1] = sin_t[i];
+        }
+      } else if (fp8_q || !fused_k) {  // undo PermuteForBF16 (cheaper than a second table)
+        const int64_t N = static_cast<int64_t>(hn::Lanes(DF())), half = R / 2;
+        int64_t i = 0;
+        for (; i + 2 * N <= half; i += 2 * N)
+          for (int64_t j = 0; j < N; ++j) {
+            cos_p[i + 2 * j] = cos_t[i + j], cos_p[i + 2 * j + 1] = cos_t[i + N + j];
+            sin_p[i + 2 * j] = sin_t[i + j], sin_p[i + 2 * j + 1] = sin_t[i + N + j];
+          }
+        for (; i < half; ++i) cos_p[i] = cos_t[i], sin_p[i] = sin_t[i];
+      }
+    }
+    auto rotate = [&](const T* x, T* out, T* out2) {
+#if HWY_TARGET != HWY_SCALAR
+      if constexpr (kBF16) {
+        if (p.interleaved)
+          RotateRowInterleavedBF16(x, out, out2, cos_t, sin_t, R, D, stream);
+        else
+          RotateRowBF16(x, out, out2, cos_t, sin_t, R, D, stream);
+        return;
+      }
+#endif
+      {
+        if (p.interleaved)
+          RotateRowInterleaved<E>(x, out, out2, cos_il, sin_il, R, D, stream);
+        else
+          RotateRow<E>(x, out, out2, cos_t, sin_t, R, D, stream);
+      }
+    };
+    int64_t slot = p.slots[t];
+    if (plan.pool_write_superseded && plan.pool_write_superseded[t]) slot = -1;
+    // SPEC §7: a normalised head is rotated from the scratch row. First the sums of
+    // squares of all the block's normalised heads of the token (independent, so they
+    // overlap, and so do their square roots and divisions), then head by head the second
+    // pass and the rotation (the token's heads are still in L1).
+    if (q_norm || k_norm) {
+      for (int64_t h = block.head_begin; h < block.head_end; ++h) {
+        const bool is_q = h < Hq;
+        if (!(is_q ? q_norm : k_norm)) continue;
+        const T* x = is_q ? row(p.q, t, h) : row(p.k, t, h - Hq);
+        float sum;
+#if HWY_TARGET != HWY_SCALAR
+        if constexpr (kBF16)
+          sum = SumSquaresBF16(x, D);
+        else
+#endif
+          sum = SumSquares<E>(x, D);
+        norm_r[size_t(h - block.head_begin)] = sum;
+      }
+      for (int64_t h = block.head_begin; h < block.head_end; ++h) {
+        float& r = norm_r[size_t(h - block.head_begin)];
+        r = 1.0f / std::sqrt(r / static_cast<float>(D) + p.norm_eps);
+      }
+    }
+    auto norm = [&](const T* x, int which, int64_t h) -> const T* {
+      const float r = norm_r[size_t(h - block.head_begin)];
+#if HWY_TARGET != HWY_SCALAR
+      if constexpr (kBF16) {
+        NormApplyBF16(x, normed.data(), norm_w.data() + which * D, r, D, p.norm_gemma);
+        return normed.data();
+      }
+#endif
+      NormApply<E>(x, normed.data(), norm_w.data() + which * D, r, D, p.norm_gemma);
+      return normed.data();
+    };
+    // SPEC §6 paging (3-D pools: page_size 1, no division)
+    int64_t page = slot, page_row = 0;
+    if (page_size != 1 && slot >= 0) {
+      page = slot / page_size;
+      page_row = slot - page * page_size;
+    }
+    for (int64_t h = block.head_begin; h < block.head_end; ++h) {
+      if (h < Hq) {
+        const T* x = q_norm ? norm(row(p.q, t, h), 0, h) : row(p.q, t, h);
+        if (kQuant && fp8_q) {
+          uint8_t* out = static_cast<uint8_t*>(p.q_out.data) + t * p.q_out.row_stride +
+                         h * p.q_out.head_stride;
+          RotateRowToE4M3<E>(x, stream ? e4m3_stage.data() : out, cos_p, sin_p, cos_pil,
+                             sin_pil, R, D, p.interleaved, q_div);
+          if (stream) CopyBytes(out, e4m3_stage.data(), size_t(D), true);
+        } else
+          rotate(x, row(p.q_out, t, h), nullptr);
+        continue;
+      }
+      const int64_t kv = h - Hq;
+      const T* x = k_norm ? norm(row(p.k, t, kv), 1, h) : row(p.k, t, kv);
+      if (kQuant && fp8_pool) {
+#if HWY_TARGET != HWY_SCALAR
+        if constexpr (kBF16) {
+          if (fused_k) {
+            uint8_t* k_dst = nullptr;
+            uint8_t* v_dst = nullptr;
+            if (slot >= 0) {
+              k_dst = reinterpret_cast<uint8_t*>(PoolRow(p.k_pool, page, page_row, kv, 1));
+              v_dst = reinterpret_cast<uint8_t*>(PoolRow(p.v_pool, page, page_row, kv, 1));
+            }
+            RotateRowBF16WithE4M3(x, row(p.k_out, t, kv), k_dst, cos_t, sin_t, R, D, stream, k_div);
+            if (v_dst) QuantizeRowBF16(row(p.v, t, kv), v_dst, D, v_div, stream);
+            continue;
+          }
+        }
+#endif
+        float* f = rotated.data();
+        RotateRowToFloat<E>(x, f, cos_p, sin_p, cos_pil, sin_pil, R, D, p.interleaved);
+        DemoteRowTo<E>(f, row(p.k_out, t, kv), D, stream);
+        if (slot >= 0) {
+          auto* k_dst = reinterpret_cast<uint8_t*>(PoolRow(p.k_pool, page, page_row, kv, 1));
+          auto* v_dst = reinterpret_cast<uint8_t*>(PoolRow(p.v_pool, page, page_row, kv, 1));
+          uint8_t* stage = e4m3_stage.data();
+          QuantizeRow<Float32>(f, stream ? stage : k_dst, D, k_div);
+          if (stream) CopyBytes(k_dst, stage, size_t(D), true);
+#if HWY_TARGET != HWY_SCALAR
+          if constexpr (kBF16)
+            QuantizeRowBF16(row(p.v, t, kv), stream ? stage : v_dst, D, v_div, false);
+          else
+#endif
+            QuantizeRow<E>(row(p.v, t, kv), stream ? stage : v_dst, D, v_div);
+          if (stream) CopyBytes(v_dst, stage, size_t(D), true);
+        }
+        continue;
+      }
+      rotate(x, row(p.k_out, t, kv),
+             slot >= 0 ? pool_row(p.k_pool, page, page_row, kv) : nullptr);
+      if (slot >= 0)
+        CopyBytes(pool_row(p.v_pool, page, page_row, kv), row(p.v, t, kv), size_t(D) * sizeof(T),
+                  stream);
+    }
+  }
+  // Non-temporal stores are weakly ordered: fence before this thread reports completion.
+  if (stream) hwy::FlushStream();
+}
+
+void RunBlock(const CallPlan& plan, const Block& block) {
+  if (plan.problem->pool_dtype == DType::Float8E4M3FN ||
+      plan.problem->q_out_dtype == DType::Float8E4M3FN) {
+    switch (plan.problem->dtype) {
+      case DType::Float32: return RunBlockT<Float32, true>(plan, block);
+      case DType::Float16: return RunBlockT<Float16, true>(plan, block);
+      case DType::BFloat16: return RunBlockT<BFloat16, true>(plan, block);
+      default: return;
+    }
+  }
+  switch (plan.problem->dtype) {
+    case DType::Float32: return RunBlockT<Float32, false>(plan, block);
+    case DType::Float16: return RunBlockT<Float16, false>(plan, block);
+    case DType::BFloat16: return RunBlockT<BFloat16, false>(plan, block);
+    default: return;
+  }
+}
+
+// The kernels' float -> 16-bit rounding, exposed for exhaustive tests: bf16 through the
+// even/odd packing (whole chunks) and the generic path (the rest), f16 through store_bits.
+void DemoteRow(DType dtype, const float* in, void* out, int64_t n) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  auto* out16 = static_cast<uint16_t*>(out);
+  if (kEvenOddBF16 && dtype == DType::BFloat16) {
+#if HWY_TARGET != HWY_SCALAR
+    // Inputs in memory order; the packing wants even and odd elements apart.
+    HWY_ALIGN float even[hn::MaxLanes(DF())], odd[hn::MaxLanes(DF())];
+    for (; i + 2 * N <= n; i += 2 * N) {
+      for (int64_t j = 0; j < N; ++j) {
+        even[j] = in[i + 2 * j];
+        odd[j] = in[i + 2 * j + 1];
+      }
+      hn::StoreU(PackBF16EvenOdd(hn::Load(df, even), hn::Load(df, odd)), DU16Full(), out16 + i);
+    }
+#endif
+  }
+  for (; i + N <= n; i += N) {
+    const VF v = hn::LoadU(df, in + i);
+    if (dtype == DType::Float16)
+      hn::StoreU(Float16::store_bits(df, v), DU16(), out16 + i);
+    else if (dtype == DType::BFloat16)
+      hn::StoreU(BFloat16::store_bits(df, v), DU16(), out16 + i);
+    else
+      hn::StoreU(v, df, static_cast<float*>(out) + i);
+  }
+  for (; i < n; ++i) {
+    if (dtype == DType::Float16)
+      out16[i] = float_to_half(in[i]);
+    else if (dtype == DType::BFloat16)
+      out16[i] = float_to_bf16(in[i]);
+    else
+      static_cast<float*>(out)[i] = in[i];
+  }
+}
+
+// The kernels' float32 -> e4m3 quantisation (x / scale), exposed for tests.
+void QuantizeE4M3Row(const float* in, uint8_t* out, int64_t n, float scale) {
+  QuantizeRow<Float32>(in, out, n, Divisor(scale));
+}
+
+void QuantizeE4M3BF16Row(const uint16_t* in, uint8_t* out, int64_t n, float scale) {
+#if HWY_TARGET != HWY_SCALAR
+  QuantizeRowBF16(in, out, n, Divisor(scale), false);
+#else
+  QuantizeRow<BFloat16>(in, out, n, Divisor(scale));
+#endif
+}
+
+void PromoteRow(DType dtype, const void* in, float* out, int64_t n) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const auto* in16 = static_cast<const uint16_t*>(in);
+  int64_t i = 0;
+  for (; i + N <= n; i += N) {
+    if (dtype == DType::Float16)
+      hn::StoreU(Float16::load(df, in16 + i), df, out + i);
+    else if (dtype == DType::BFloat16)
+      hn::StoreU(BFloat16::load(df, in16 + i), df, out + i);
+    else
+      hn::StoreU(hn::LoadU(df, static_cast<const float*>(in) + i), df, out + i);
+  }
+  for (; i < n; ++i)
+    out[i] = dtype == DType::Float16    ? half_to_float(in16[i])
+             : dtype == DType::BFloat16 ? bf16_to_float(in16[i])
+                                        : static_cast<const float*>(in)[i];
+}
+
+#endif  // ROPEPOOL_HWY_HERE
+
+}  // namespace HWY_NAMESPACE
+}  // namespace ropepool::detail::cpu
+HWY_AFTER_NAMESPACE();
+
+// mla_rope_pool_fused's rows, on the helpers above (per target).
+#include "mla_hwy-inl.h"
+
+#endif  // per-target include guard
