@@ -251,7 +251,9 @@ void check_kernel_case(const KernelCase& kc, Rng& rng, const std::string& label)
                             << " units (1 ulp + 2^-24 (|a|+|b|))";
 }
 
-void kernel_matches_reference(const char* target) {
+/// The kernel against the scalar backend on a grid of shapes, dtypes and SPEC §4/§7 flavours,
+/// with `threads` threads (1, 2 and 3 are separate ctest entries, so they run side by side).
+void kernel_matches_reference(const char* target, int threads) {
   // The library dispatches to the target under test.
   ASSERT_STREQ(detail::cpu::hwy_target_name(), target);
   const DType dtypes[] = {DType::Float32, DType::Float16, DType::BFloat16};
@@ -275,24 +277,22 @@ void kernel_matches_reference(const char* target) {
   Rng rng(fresh_seed());
   SCOPED_TRACE("seed " + std::to_string(rng.seed()) + " (replay: ROPEPOOL_TEST_SEED)");
   const int saved_threads = cpu_num_threads();
-  for (int threads : {1, 2, 3}) {
-    set_cpu_num_threads(threads);
-    // Non-temporal stores on every call with 2 threads (aligned rows take them), never
-    // with 1 or 3: both store paths are checked on every target.
-    detail::cpu::set_stream_min_bytes(threads == 2 ? 0 : -1);
-    // With 2 or 3 threads every call is split (tokens, or heads when tokens are few).
-    detail::cpu::set_parallel_min_bytes(threads == 1 ? 1 << 20 : 1);
-    for (DType dt : dtypes)
-      for (const Dims& d : dims)
-        for (size_t f = 0; f < std::size(flavours); ++f) {
-          const std::string label = std::string(target) + " threads=" + std::to_string(threads) + " " +
-                                    dtype_name(dt) + " T=" + std::to_string(d.T) + " Hq=" + std::to_string(d.Hq) +
-                                    " Hk=" + std::to_string(d.Hk) + " D=" + std::to_string(d.D) +
-                                    " R=" + std::to_string(d.R) + " flavour " + std::to_string(f);
-          check_kernel_case({dt, d.T, d.Hq, d.Hk, d.D, d.R, flavours[f]}, rng, label);
-          if (::testing::Test::HasFatalFailure()) return;
-        }
-  }
+  set_cpu_num_threads(threads);
+  // Non-temporal stores on every call with 2 threads (aligned rows take them), never
+  // with 1 or 3: both store paths are checked on every target.
+  detail::cpu::set_stream_min_bytes(threads == 2 ? 0 : -1);
+  // With 2 or 3 threads every call is split (tokens, or heads when tokens are few).
+  detail::cpu::set_parallel_min_bytes(threads == 1 ? 1 << 20 : 1);
+  for (DType dt : dtypes)
+    for (const Dims& d : dims)
+      for (size_t f = 0; f < std::size(flavours); ++f) {
+        const std::string label = std::string(target) + " threads=" + std::to_string(threads) + " " +
+                                  dtype_name(dt) + " T=" + std::to_string(d.T) + " Hq=" + std::to_string(d.Hq) +
+                                  " Hk=" + std::to_string(d.Hk) + " D=" + std::to_string(d.D) +
+                                  " R=" + std::to_string(d.R) + " flavour " + std::to_string(f);
+        check_kernel_case({dt, d.T, d.Hq, d.Hk, d.D, d.R, flavours[f]}, rng, label);
+        if (::testing::Test::HasFatalFailure()) return;
+      }
   set_cpu_num_threads(saved_threads);
   detail::cpu::set_stream_min_bytes(16 << 20);
   detail::cpu::set_parallel_min_bytes(1 << 20);
@@ -550,7 +550,7 @@ void caches_match_reference(const char* target) {
 HWY_BEFORE_NAMESPACE();
 namespace ropepool::test::HWY_NAMESPACE {
 
-void KernelMatchesReference() { kernel_matches_reference(hwy::TargetName(HWY_TARGET)); }
+void KernelMatchesReference(int threads) { kernel_matches_reference(hwy::TargetName(HWY_TARGET), threads); }
 void DemoteIsExhaustive(int shard) { demote_is_exhaustive(hwy::TargetName(HWY_TARGET), shard); }
 void E4M3OnEveryBoundary() { e4m3_on_every_boundary(hwy::TargetName(HWY_TARGET)); }
 void CachesMatchReference() { caches_match_reference(hwy::TargetName(HWY_TARGET)); }
@@ -565,7 +565,6 @@ HWY_AFTER_NAMESPACE();
 namespace ropepool::test {
 
 HWY_BEFORE_TEST(CpuTarget);
-HWY_EXPORT_AND_TEST_P(CpuTarget, KernelMatchesReference);
 HWY_EXPORT_AND_TEST_P(CpuTarget, E4M3OnEveryBoundary);
 HWY_EXPORT_AND_TEST_P(CpuTarget, CachesMatchReference);
 HWY_EXPORT_AND_TEST_P(CpuTarget, Fp8KPoolIsTheRotation);
@@ -573,6 +572,11 @@ HWY_EXPORT_AND_TEST_P(CpuTarget, Fp8KPoolIsTheRotation);
 class CpuTargetShard : public hwy::TestWithParamTargetAndT<int> {};
 HWY_TARGET_INSTANTIATE_TEST_SUITE_P_T(CpuTargetShard, ::testing::Range(0, kDemoteShards));
 HWY_EXPORT_AND_TEST_P_T(CpuTargetShard, DemoteIsExhaustive);
+
+// kernel_matches_reference with 1, 2 and 3 threads: one ctest entry each.
+class CpuTargetThreads : public hwy::TestWithParamTargetAndT<int> {};
+HWY_TARGET_INSTANTIATE_TEST_SUITE_P_T(CpuTargetThreads, ::testing::Values(1, 2, 3));
+HWY_EXPORT_AND_TEST_P_T(CpuTargetThreads, KernelMatchesReference);
 
 // Several application threads calling at once (one gets the pool, the others run alone), and
 // a forked child (the parent's workers do not exist there) must all get correct results.
