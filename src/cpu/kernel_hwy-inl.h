@@ -1,8 +1,9 @@
 // The Highway CPU kernel, per SIMD target: kernel_hwy_targets.h includes this file once per
 // target (foreach_target.h) and kernel_hwy.cpp picks one at run time (HWY_DYNAMIC_DISPATCH);
 // no global -march flags. Each target's definitions are compiled in one of the
-// kernel_hwy_part*.cpp files (ROPEPOOL_HWY_HERE below), so the targets compile in parallel;
-// every other pass, kernel_hwy.cpp's included, sees the declarations alone.
+// kernel_hwy_part*.cpp files (ROPEPOOL_HWY_HERE, kernel_hwy_targets.h), so the targets
+// compile in parallel; every other pass, kernel_hwy.cpp's included, sees the declarations
+// alone.
 //
 // Per token: one sin/cos table (R/2 entries) shared by every q and k head of the token;
 // per head: load pairs (x[i], x[i + R/2]) widened to float32, rotate, round once and store.
@@ -38,16 +39,6 @@
 #include "ropepool/half.hpp"
 #include "ropepool/schedule.hpp"
 
-// Whether this pass defines the current target's functions: in kernel_hwy_part<k>.cpp
-// (ROPEPOOL_HWY_PART = k) the targets whose bit index in Highway's target mask is k modulo
-// kernel_hwy_targets.h's four parts (Highway 1.0.3 on x86: AVX3 and SSSE3 in part 0, AVX2 in
-// 1, SCALAR in 2, SSE4 in 3), so each target is defined exactly once in the library.
-#undef ROPEPOOL_HWY_HERE
-#if defined(ROPEPOOL_HWY_PART) && ((HWY_TARGET >> ROPEPOOL_HWY_PART) & 0x1111111111111111LL)
-#define ROPEPOOL_HWY_HERE 1
-#else
-#define ROPEPOOL_HWY_HERE 0
-#endif
 
 HWY_BEFORE_NAMESPACE();
 namespace ropepool::detail::cpu {
