@@ -125,14 +125,8 @@ struct VecIO {
   /// subnormal, and both ways give a zero of the product's sign. The CUDA test compares the two
   /// on every pair of 16-bit patterns (subnormals, infinities and NaNs included).
   static __device__ __forceinline__ Raw mul_rn(Raw a, Raw b) {
-    static_assert(kPerWord == 2, "16-bit elements");
-    if constexpr (kBytes == 16) {
-      return make_uint4(mul_word(a.x, b.x), mul_word(a.y, b.y), mul_word(a.z, b.z), mul_word(a.w, b.w));
-    } else if constexpr (kBytes == 4) {
-      return mul_word(a, b);
-    } else {
-      return uint16_t(mul_word(a, b));  // the upper halves (zero) give zero
-    }
+    static_assert(kPerWord == 2 && kBytes == 16, "16-bit elements, 16-byte vectors (the norm's vector paths)");
+    return make_uint4(mul_word(a.x, b.x), mul_word(a.y, b.y), mul_word(a.z, b.z), mul_word(a.w, b.w));
   }
 
  private:
