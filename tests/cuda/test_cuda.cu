@@ -57,6 +57,21 @@ void expect(bool ok, const std::string& what) {
   }
 }
 
+/// What an every-pattern check kernel found, once it has run: how many elements differed (its
+/// 8-byte counter) and the first mismatches it recorded (`words` 32-bit words, at most 8).
+struct Mismatches {
+  unsigned long long n = 0;
+  unsigned first[8] = {};
+};
+Mismatches read_mismatches(const DeviceBuffer& count, const DeviceBuffer& first, size_t words) {
+  ROPEPOOL_CUDA_OK(cudaGetLastError());
+  ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
+  Mismatches m;
+  ROPEPOOL_CUDA_OK(cudaMemcpy(&m.n, count.ptr, 8, cudaMemcpyDeviceToHost));
+  ROPEPOOL_CUDA_OK(cudaMemcpy(m.first, first.ptr, std::min(words, std::size(m.first)) * 4, cudaMemcpyDeviceToHost));
+  return m;
+}
+
 uint32_t to_bits(float f, DType dt) {
   switch (dt) {
     case DType::Float32: return float_bits(f);
@@ -564,11 +579,6 @@ void test_graph(Rng& rng) {
   cudaStreamDestroy(s);
 }
 
-// SPEC §7 (the main kernel's norm variant, or the fusion kernels of fusion_kernel.cuh for the
-// other geometries): QK norm ("rms" with q-dtype weights,
-// "gemma" with float32 ones) and mRoPE (Qwen2-VL sections, Qwen3-VL interleaved), alone and
-// combined, against the float64 reference (with the one midpoint ulp §7 allows), every pool
-// row bit for bit; text-only mRoPE positions give the plain call's bits.
 /// Every pair of 16-bit patterns (a, b) = (index >> 16, index & 0xffff), 8 consecutive indices
 /// as one VecIO<E, 8> vector each: SPEC §7's second "rms" rounding as the norm kernel takes it
 /// with weights in q's dtype (VecIO::mul_rn, one packed multiply) against the float32 path it
@@ -624,12 +634,7 @@ void test_norm_packed_mul() {
         if (e == 0) packed_mul_every_pair<cuda::BF16><<<2048, 256>>>(b, en, shift, d_n, d_pairs);
         else packed_mul_every_pair<cuda::F16><<<2048, 256>>>(b, en, shift, d_n, d_pairs);
       }
-    ROPEPOOL_CUDA_OK(cudaGetLastError());
-    ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
-    unsigned long long n = 0;
-    unsigned first[8] = {};
-    ROPEPOOL_CUDA_OK(cudaMemcpy(&n, d_bad.ptr, 8, cudaMemcpyDeviceToHost));
-    ROPEPOOL_CUDA_OK(cudaMemcpy(first, d_first.ptr, sizeof first, cudaMemcpyDeviceToHost));
+    const auto [n, first] = read_mismatches(d_bad, d_first, 8);
     char b[200];
     std::snprintf(b, sizeof b, "norm's packed %s multiply (VecIO::mul_rn) on %s pairs of patterns: %llu differ from the float32 path%s",
                   e == 0 ? "bfloat16" : "float16", g_sanitize ? "5 x 2^20" : "all 2^32", n, n ? "; first: " : "");
@@ -644,6 +649,11 @@ void test_norm_packed_mul() {
   }
 }
 
+// SPEC §7 (the main kernel's norm variant, or the fusion kernels of fusion_kernel.cuh for the
+// other geometries): QK norm ("rms" with q-dtype weights,
+// "gemma" with float32 ones) and mRoPE (Qwen2-VL sections, Qwen3-VL interleaved), alone and
+// combined, against the float64 reference (with the one midpoint ulp §7 allows), every pool
+// row bit for bit; text-only mRoPE positions give the plain call's bits.
 void test_fusions(Rng& rng) {
   test_norm_packed_mul();
   struct F {
@@ -1846,15 +1856,10 @@ void test_e4m3_division(Rng& rng) {
     for (auto [b, e] : ranges)
       e4m3_division_every_float<<<4096, 256>>>(s, b, e, static_cast<unsigned long long*>(d_bad.ptr),
                                                static_cast<unsigned*>(d_first.ptr));
-    ROPEPOOL_CUDA_OK(cudaGetLastError());
-    ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
-    unsigned long long n = 0;
-    unsigned u = 0;
-    ROPEPOOL_CUDA_OK(cudaMemcpy(&n, d_bad.ptr, 8, cudaMemcpyDeviceToHost));
-    ROPEPOOL_CUDA_OK(cudaMemcpy(&u, d_first.ptr, 4, cudaMemcpyDeviceToHost));
-    if (n != 0 && failing++ == 0) {
+    const Mismatches m = read_mismatches(d_bad, d_first, 1);
+    if (m.n != 0 && failing++ == 0) {
       char b[160];
-      std::snprintf(b, sizeof b, "; first: scale %a, %llu x differ, e.g. x = 0x%08x", double(s), n, u);
+      std::snprintf(b, sizeof b, "; first: scale %a, %llu x differ, e.g. x = 0x%08x", double(s), m.n, m.first[0]);
       first = b;
     }
   }
@@ -1894,12 +1899,7 @@ void test_e4m3_conversion(Rng& rng) {
     for (auto [b, e] : ranges)
       e4m3_every_float<<<1024, 256>>>(static_cast<uint32_t*>(d_thr.ptr), kind, b, e,
                                       static_cast<unsigned long long*>(d_count.ptr), static_cast<unsigned*>(d_first.ptr));
-    ROPEPOOL_CUDA_OK(cudaGetLastError());
-    ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
-    unsigned long long n = 0;
-    unsigned first[8] = {};
-    ROPEPOOL_CUDA_OK(cudaMemcpy(&n, d_count.ptr, 8, cudaMemcpyDeviceToHost));
-    ROPEPOOL_CUDA_OK(cudaMemcpy(first, d_first.ptr, sizeof first, cudaMemcpyDeviceToHost));
+    const auto [n, first] = read_mismatches(d_count, d_first, 8);
     char b[200];
     std::snprintf(b, sizeof b, "%s on %s float32 patterns: %llu differ from float_to_e4m3%s", kinds[kind],
                   g_sanitize ? "3 x 2^20" : "all 2^32", n, n ? "; first: " : "");
