@@ -21,7 +21,8 @@
 # Highway and GoogleTest come from Debian packages in .deb/ (libhwy1, libhwy-dev,
 # libgtest-dev), unpacked with `dpkg -x` into /tmp/ropepool-debs, unless they are installed.
 # The test oracle (transformers 4.57.6 and the huggingface_hub/tokenizers it accepts) from
-# wheels in .whl/, when there, installed to /tmp/ropepool-site.
+# wheels in .whl/, when there, installed to /tmp/ropepool-site. The benchmark peer FlashInfer
+# from .whl-peers/ (README, "On a GPU"), when there, to /tmp/ropepool-peers.
 #
 # Steps (each runs even when an earlier one failed, unless it needs that one's output):
 #   1. pip install the package with the CUDA backend (sm_90)
@@ -114,6 +115,25 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   else
     echo "test oracle: installing .whl/*.whl failed" | tee -a "$LOGS/summary.txt"
   fi
+fi
+# --- the benchmark peers (FlashInfer), optional -------------------------------------------------
+# bench/gpu_bench.py and bench/gpu_bench_mla.py time FlashInfer beside ropepool where it
+# imports. .whl-peers/offline/*.tar.xz (scripts/peer_site.sh: FlashInfer with its rope and
+# page modules built for sm_90) is unpacked, else the wheels in .whl-peers/ are installed, into
+# /tmp/ropepool-peers, last on PYTHONPATH; neither folder, and the benchmarks say FlashInfer
+# is not importable.
+PEERS=/tmp/ropepool-peers
+if ls .whl-peers/offline/*.tar.xz >/dev/null 2>&1; then
+  mkdir -p $PEERS && for f in .whl-peers/offline/*.tar.xz; do tar -C $PEERS -xJf "$f" || PEERS=; done
+elif ls .whl-peers/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target $PEERS .whl-peers/*.whl >>"$LOGS/summary.txt" 2>&1 || PEERS=
+else
+  PEERS=
+fi
+if [ -n "$PEERS" ]; then
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PEERS
+  echo "benchmark peers: $(ls $PEERS | grep -E '^[a-z_]+-[0-9].*dist-info$' | sed 's/.dist-info//' | tr '\n' ' ')on PYTHONPATH" | tee -a "$LOGS/summary.txt"
 fi
 # CMake < 3.26 knows no C++20 flag for nvcc (src/cuda/cuda.cmake has the same fix).
 CUDA_STD=(-DCMAKE_CUDA20_STANDARD_COMPILE_OPTION=-std=c++20 -DCMAKE_CUDA20_EXTENSION_COMPILE_OPTION=-std=c++20)
