@@ -49,7 +49,20 @@ their own bytes (every tensor at its element size): fp8 e4m3 pools with tensor s
 FlashInfer-style combined paged caches [pages, 2, page_size, Hk, D] (NHD) and
 [pages, 2, Hk, page_size, D] (HND) at page sizes 1, 16 and 64, fp8 HND, and fp8 q_rot; PyTorch
 eager and torch.compile of the same math (rotation, e4m3 quantisation, paged index_put_)
-for the fp8 NHD cache. Each variant is checked against the plain bf16 result first.
+for the fp8 NHD cache. Each variant is checked against the plain bf16 result first (and no
+pool row the slots do not name may change).
+
+FlashInfer in the cache section (optional: where `import flashinfer` works, else the output
+says why and the rest runs as before; --no-flashinfer leaves it out): its compositions that
+write the same caches, on the same input sets and slots, after ropepool's variants at each T,
+in the three modes, beside the ropepool variant each stands for (the ratio of the times is
+the caches issue's target, <= 0.9): its fused rope_quantize_fp8_append_paged_kv_cache (PDL
+on; fp8 q_rot, fp8 k/v rows, no k_rot) beside "fp8 NHD 16, fp8 q"; apply_rope_with_cos_sin_cache
+(bf16 q_rot, k_rot) then that fused kernel with no q heads, beside "fp8 NHD 16";
+apply_rope_with_cos_sin_cache then append_paged_kv_cache, beside "NHD page 16". Its float32
+cos/sin cache is made from float64 angles for positions below 2^17; page size 16, one request
+of one page per token, so that every random slot is exact; one fp8 scale (0.5) for q, k and
+v. Checked first like ropepool's variants (FlashInferVariant, check_flashinfer_variant).
 
 Fusions (SPEC §7, --fusion-tokens, on by default; --no-fusion skips them): the same cold
 inputs and pools in the workload's shape (Hq 32, Hk 8, D 128 by default: Qwen3-8B's too)
@@ -127,6 +140,8 @@ def parse_args(argv=None):
     p.add_argument("--fusion-tokens", default="1,64,256,4096,16384,65536",
                    help="token counts of the SPEC §7 fusion section ('' to skip it)")
     p.add_argument("--no-fusion", action="store_true", help="skip the SPEC §7 fusion section")
+    p.add_argument("--no-flashinfer", action="store_true",
+                   help="leave FlashInfer out of the cache section even where it imports")
     p.add_argument("--norm-weight-dtype", choices=("input", "float32"), default="input",
                    help="q/k norm weights in the input dtype (as Qwen3 ships them) or float32")
     p.add_argument("--norm-eps", type=float, default=1e-6, help="the norm's eps (Qwen3: 1e-6)")
@@ -489,13 +504,25 @@ def e4m3_close(a, b):
     return bool(((a - b).abs() <= ulp).all())
 
 
+def other_rows(var, slots):
+    """The k and v rows (as bytes) of every slot of var's pools that `slots` does not name."""
+    keep = torch.ones(var.k_pool.shape[0] * var.page_size if var.layout else var.k_pool.shape[0],
+                      dtype=torch.bool, device=slots.device)
+    keep[slots.to(torch.int64)] = False
+    k, v = var.rows(torch.nonzero(keep).flatten())
+    return k.view(torch.uint8), v.view(torch.uint8)
+
+
 def check_cache_variant(var, w):
     """The variant's outputs on set 0 against the plain bf16 call's: problems (a list)."""
     a = w.args_of(0)
     q_ref, k_ref = ropepool.rope_pool_fused(*a, **w.shape)[:2]
+    before = other_rows(var, a[4])
     q_rot, k_rot = var.call(*a)[:2]
     k_rows, v_rows = var.rows(a[4])
     problems = []
+    if not all(torch.equal(x, y) for x, y in zip(before, other_rows(var, a[4]))):
+        problems.append("pool rows no token names changed")
     if not torch.equal(k_rot, k_ref):
         problems.append("k_rot differs from the plain call's")
     if var.q8:
@@ -514,8 +541,10 @@ def check_cache_variant(var, w):
     return problems
 
 
-def cache_formats(args, gen, l2, copy_bps, compiled_fp8):
-    """Every CACHE_VARIANTS entry at each --cache-tokens T, on the same cold input sets."""
+def cache_formats(args, gen, l2, copy_bps, compiled_fp8, fi=None, fi_rows=None):
+    """Every CACHE_VARIANTS entry at each --cache-tokens T, on the same cold input sets; with
+    FlashInfer (`fi`, the module), each FLASHINFER_VARIANTS entry after them on the same sets,
+    its rows appended to `fi_rows`."""
     out = []
     for T in args.cache_tokens:
         with_graph = T <= args.graph_max_tokens
@@ -554,9 +583,193 @@ def cache_formats(args, gen, l2, copy_bps, compiled_fp8):
             print(json.dumps(row), flush=True)
             del var, contenders
             torch.cuda.empty_cache()
+        if fi is not None:
+            cos_sin = flashinfer_cos_sin_cache(w.inv_freq64, 1 << 17)
+            ours = {r["variant"]: r for r in out if r["T"] == T}
+            for spec in FLASHINFER_VARIANTS:
+                var = FlashInferVariant(spec, w, gen, fi, cos_sin)
+                row = dict(T=T, variant=var.name, peer=var.peer, bytes=var.bytes,
+                           problems=check_flashinfer_variant(var, w))
+                warm_up(var.call, w)
+                row["flashinfer_call_us"] = time_per_call(var.call, w, args.samples, start=3)[0] * 1e6
+                row["flashinfer_b2b_us"] = time_back_to_back(var.call, w, args.samples)[0] * 1e6
+                if with_graph:
+                    row["flashinfer_graph_us"] = time_graph(var.call, w, args.samples)[0] * 1e6
+                for mode in ("call", "b2b"):
+                    row[f"pct_copy_{mode}"] = (100 * var.bytes / (row[f"flashinfer_{mode}_us"] * 1e-6)
+                                               / copy_bps)
+                for mode in MODES:  # the caches issue's target: ropepool / FlashInfer <= 0.9
+                    theirs, mine = row.get(f"flashinfer_{mode}_us"), ours.get(var.peer, {})
+                    if theirs and f"ropepool_{mode}_us" in mine:
+                        row[f"ropepool_{mode}_us"] = mine[f"ropepool_{mode}_us"]
+                        row[f"ratio_{mode}"] = mine[f"ropepool_{mode}_us"] / theirs
+                fi_rows.append(row)
+                print(json.dumps(row), flush=True)
+                del var
+                torch.cuda.empty_cache()
+            del cos_sin
         del w
         torch.cuda.empty_cache()
     return out
+
+
+# --- FlashInfer, an optional peer of the cache section -----------------------------------------
+
+def import_flashinfer():
+    """FlashInfer, a benchmark peer (never a dependency of ropepool): (the module with its rope
+    and page submodules imported, its version), or (None, why it is not importable)."""
+    try:
+        import flashinfer
+        import flashinfer.page  # noqa: F401
+        import flashinfer.rope  # noqa: F401
+    except Exception as e:  # noqa: BLE001 (ImportError, or an error of one of its imports)
+        return None, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+    return flashinfer, flashinfer.__version__
+
+
+def flashinfer_cos_sin_cache(inv_freq64, rows, attention_scaling=1.0):
+    """FlashInfer's float32 cos/sin cache [rows, rotary_dim]: cos of every frequency at every
+    position in the first half of a row, sin in the second, from float64 angles (times the
+    attention scaling) rounded once to float32. Positions stay below `rows` (2^17 here), where
+    float32 cos/sin are within 2^-24 relative of the exact values: the rotation check's bound
+    (2 ulp of the output dtype plus 2^-17 (|a| + |b|)) holds for them."""
+    pos = torch.arange(rows, dtype=torch.float64, device=inv_freq64.device)
+    theta = pos[:, None] * inv_freq64[None, :]
+    return (torch.cat([torch.cos(theta), torch.sin(theta)], dim=1) * attention_scaling).float()
+
+
+# name, what runs, the CACHE_VARIANTS entry it stands beside. FlashInfer 0.7's fused kernel
+# (rope_quantize_fp8_append_paged_kv_cache) writes q_rot in fp8 only and no k_rot:
+#   "fused"        that one call (PDL on): fp8 q_rot, fp8 k and v rows
+#   "rope+fused"   apply_rope_with_cos_sin_cache (bf16 q_rot, k_rot), then the fused kernel with
+#                  no q heads (q[:, :0]; PDL on) for the fp8 k and v rows: ropepool's outputs
+#   "rope+append"  apply_rope_with_cos_sin_cache, then append_paged_kv_cache (bf16 cache)
+FLASHINFER_VARIANTS = (
+    ("FlashInfer NHD 16", "rope+append", "NHD page 16"),
+    ("FlashInfer fp8 NHD 16", "rope+fused", "fp8 NHD 16"),
+    ("FlashInfer fp8 NHD 16, fp8 q", "fused", "fp8 NHD 16, fp8 q"),
+)
+
+
+class FlashInferVariant:
+    """A FlashInfer composition writing FlashInfer's combined cache [pages, 2, 16, Hk, D] (NHD,
+    page size 16) over the workload's P slots, with the same random slots: every token is a
+    request of its own with one page, so that any slot is exact (batch_indices[t] = t,
+    kv_indptr = 0..T, kv_indices[t] = slots[t] // 16, positions[t] = slots[t] % 16: a decode
+    batch's page tables). fp8: one scale 0.5 for k and v (FlashInfer has one kv scale) and
+    for q, passed as FlashInfer's multipliers 1 / 0.5 (exact: a power of two)."""
+
+    page_size, layout, scale = 16, "NHD", 0.5
+
+    def __init__(self, spec, w, gen, fi, cos_sin):
+        self.name, self.kind, self.peer = spec
+        self.fi, self.cos_sin, self.T = fi, cos_sin, w.T
+        P, Hq, Hk, D = w.P, w.shape["num_qo_heads"], w.shape["num_kv_heads"], w.shape["head_dim"]
+        self.D = D
+        self.fp8, self.q8 = self.kind != "rope+append", self.kind == "fused"
+        dtype = FP8 if self.fp8 else w.dtype
+        ps = self.page_size
+        self.cache = (torch.rand(P // ps, 2, ps, Hk, D, generator=gen, device=w.device) * 8 - 4).to(dtype)
+        self.k_pool, self.v_pool = self.cache[:, 0], self.cache[:, 1]
+        slots = w.slots.to(torch.int64)
+        self.pages, self.in_page = (slots // ps).to(torch.int32), (slots % ps).to(torch.int32)
+        self.base, self.es = w.slots.data_ptr(), w.slots.element_size()
+        T = w.T
+        self.batch = torch.arange(T, dtype=torch.int32, device=w.device)
+        self.indptr = torch.arange(T + 1, dtype=torch.int32, device=w.device)
+        self.last_page_len = torch.ones(T, dtype=torch.int32, device=w.device)
+        es = torch.tensor([], dtype=w.dtype).element_size()
+        # its own traffic: every kernel's reads and writes (the cos/sin rows, float32, and the
+        # index arrays: pos_ids, batch_indices, positions, kv_indices, kv_indptr)
+        rope = T * D * (2 * es * (Hq + Hk) + 4) + 4 * T  # q, k read; q_rot, k_rot written
+        if self.kind == "fused":
+            self.bytes = T * D * (es * (Hq + 2 * Hk) + Hq + 2 * Hk + 4) + 20 * T
+        elif self.kind == "rope+fused":
+            self.bytes = rope + T * D * (2 * es * Hk + 2 * Hk + 4) + 20 * T
+        else:
+            self.bytes = rope + T * D * 4 * es * Hk + 16 * T
+
+    def _tables(self, slots):
+        i = (slots.data_ptr() - self.base) // self.es  # which input set: its slice of the tables
+        return self.pages[i:i + self.T], self.in_page[i:i + self.T]
+
+    def _fused(self, q_rope, k, v, positions, pages, in_page):
+        return self.fi.rope.rope_quantize_fp8_append_paged_kv_cache(
+            q_rope, k, None, None, v, self.cos_sin, positions, (self.k_pool, self.v_pool), pages,
+            self.indptr, self.batch, in_page, is_neox=True, quantize_dtype=FP8,
+            quant_scale_q=1 / self.scale, quant_scale_kv=1 / self.scale,
+            page_size=self.page_size, kv_layout=self.layout, enable_pdl=True)
+
+    def call(self, q, k, v, positions, slots, *_pools):
+        pages, in_page = self._tables(slots)
+        if self.kind == "fused":
+            return self._fused(q, k, v, positions, pages, in_page)[0], None
+        q_rot, k_rot = self.fi.rope.apply_rope_with_cos_sin_cache(
+            positions, q, k, self.D, self.cos_sin, is_neox=True)
+        if self.kind == "rope+fused":
+            self._fused(q[:, :0], k, v, positions, pages, in_page)
+        else:
+            self.fi.page.append_paged_kv_cache(k_rot, v, self.batch, in_page, self.cache, pages,
+                                               self.indptr, self.last_page_len,
+                                               kv_layout=self.layout)
+        return q_rot, k_rot
+
+    def rows(self, slots):
+        s = slots.to(torch.int64)
+        page, row = s // self.page_size, s % self.page_size
+        return self.k_pool[page, row], self.v_pool[page, row]
+
+
+def check_flashinfer_variant(var, w):
+    """The FlashInfer variant's outputs on set 0 against independent results: q_rot and k_rot
+    against eager's within the rotation bound (fp8 q_rot within one e4m3 step of
+    e4m3(q_rot / 0.5)); k rows bit for bit its own k_rot (fp8: within one e4m3 step of
+    e4m3(k_rot / 0.5)), v rows bit for bit v (fp8: e4m3(v / 0.5)); no other row changed."""
+    a = w.args_of(0)
+    (q_ref, k_ref, *_), _ = call_and_restore(w, lambda *x: torch_rope_pool(*x, w.inv_freq64), a)
+    before = other_rows(var, a[4])
+    q_rot, k_rot = var.call(*a)
+    k_rows, v_rows = var.rows(a[4])
+    problems = []
+    if not all(torch.equal(x, y) for x, y in zip(before, other_rows(var, a[4]))):
+        problems.append("pool rows no token names changed")
+    if var.q8:
+        if q_rot.dtype != FP8 or not e4m3_close(q_rot, (q_ref.float() / var.scale).to(FP8)):
+            problems.append("fp8 q_rot is not within one e4m3 step of e4m3(q_rot / 0.5)")
+    else:
+        problems += rotation_problems("q_rot vs eager", q_rot, q_ref, a[0])
+        problems += rotation_problems("k_rot vs eager", k_rot, k_ref, a[1])
+    if var.fp8:
+        v_want = (a[2].float() / var.scale).to(FP8)
+        if not torch.equal(v_rows.view(torch.uint8), v_want.view(torch.uint8)):
+            problems.append("fp8 v rows are not e4m3(v / 0.5) bit for bit")
+        if not e4m3_close(k_rows, (k_ref.float() / var.scale).to(FP8)):
+            problems.append("fp8 k rows are not within one e4m3 step of e4m3(k_rot / 0.5)")
+    elif not (torch.equal(k_rows, k_rot) and torch.equal(v_rows, a[2])):
+        problems.append("pool rows are not bit-identical to its k_rot / v")
+    return problems
+
+
+def print_flashinfer_table(rows, version):
+    if version is None:
+        return
+    print()
+    if not rows:
+        print(f"FlashInfer: NOT MEASURED ({version})")
+        return
+    print(f"FlashInfer {version} beside ropepool (the cache section's inputs and slots, NHD page 16; "
+          "fp8 scales 0.5): GPU us per call (call / b2b / graph), % of the copy ceiling by its own "
+          "bytes, and ropepool's time over FlashInfer's (the caches issue's target: <= 0.9)")
+    print(f"{'T':>6} {'FlashInfer':<30} {'call':>8} {'b2b':>8} {'graph':>8} {'%copy b2b':>9} | "
+          f"{'ropepool':<18} {'call':>8} {'b2b':>8} {'graph':>8} | {'ratio call / b2b / graph':>24}  check")
+    for r in rows:
+        def f(key, fmt="{:.2f}"):
+            return fmt.format(r[key]) if key in r else "-"
+        ratio = " / ".join(f(f"ratio_{m}") for m in MODES)
+        print(f"{r['T']:>6} {r['variant']:<30} {f('flashinfer_call_us'):>8} {f('flashinfer_b2b_us'):>8} "
+              f"{f('flashinfer_graph_us'):>8} {f('pct_copy_b2b', '{:.1f}'):>9} | {r['peer']:<18} "
+              f"{f('ropepool_call_us'):>8} {f('ropepool_b2b_us'):>8} {f('ropepool_graph_us'):>8} | "
+              f"{ratio:>24}  {'; '.join(r['problems']) or 'ok'}")
 
 
 def print_cache_table(rows):
@@ -844,6 +1057,12 @@ def main(argv=None):
     elif not ropepool.cuda_backend:
         print("ropepool: built without the CUDA backend; timing the baselines only")
     have_ropepool = ropepool is not None and ropepool.cuda_backend
+    fi_module, fi_version = None, None
+    if args.cache_tokens and not args.no_flashinfer:
+        fi_module, fi_version = import_flashinfer()
+        print(f"FlashInfer {fi_version}: timed in the cache section" if fi_module is not None else
+              f"FlashInfer: NOT IMPORTABLE ({fi_version}); the cache section runs without it",
+              flush=True)
     copy_bps = copy_ceiling()
 
     # The floor of each mode: one empty kernel (a zero-cycle spin) timed the same way.
@@ -932,12 +1151,13 @@ def main(argv=None):
         layout_rows.append(dict(T=T, contiguous_b2b_us=times[False], fused_qkv_b2b_us=times[True]))
         print(json.dumps(layout_rows[-1]), flush=True)
 
-    cache_rows = []
+    cache_rows, fi_rows = [], []
     if have_ropepool and args.cache_tokens:
         compiled_fp8 = None if args.no_compile else torch.compile(
             torch_rope_fp8_paged, fullgraph=True, dynamic=True)
-        cache_rows = cache_formats(args, gen, l2, copy_bps, compiled_fp8)
-        problems_all += [f"T={r['T']} {r['variant']}: {p}" for r in cache_rows for p in r["problems"]]
+        cache_rows = cache_formats(args, gen, l2, copy_bps, compiled_fp8, fi_module, fi_rows)
+        problems_all += [f"T={r['T']} {r['variant']}: {p}" for r in cache_rows + fi_rows
+                         for p in r["problems"]]
 
     fusion_rows = []
     if have_ropepool and args.fusion_tokens:
@@ -952,7 +1172,9 @@ def main(argv=None):
                   num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                   rope_base=args.rope_base, pool_rows=args.pool_rows, samples=args.samples,
                   rows=rows, problems=problems_all, ropepool=have_ropepool, layouts=layout_rows,
-                  caches=cache_rows, fusions=fusion_rows, norm_eps=args.norm_eps,
+                  caches=cache_rows, flashinfer_caches=fi_rows,
+                  flashinfer=(fi_version if fi_module is not None else f"not importable: {fi_version}")
+                  if fi_version else None, fusions=fusion_rows, norm_eps=args.norm_eps,
                   norm_weight_dtype=args.norm_weight_dtype)
     return finish(result, args.json, print_table) or (0 if have_ropepool else 2)
 
@@ -1009,6 +1231,7 @@ def print_table(r):
         print(f"T={x['T']} b2b: contiguous q/k/v {x['contiguous_b2b_us']:.2f} us, views into a "
               f"fused QKV buffer {x['fused_qkv_b2b_us']:.2f} us")
     print_cache_table(r.get("caches", []))
+    print_flashinfer_table(r.get("flashinfer_caches", []), r.get("flashinfer"))
     print_fusion_table(r.get("fusions", []))
     host_bound = [f"T={x['T']} {k[:-len('_host_bound')]}: {x[k]}" for x in rows for k in x
                   if k.endswith("_host_bound") and x[k]]
