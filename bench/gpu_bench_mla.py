@@ -34,6 +34,14 @@ retaken, then counted); medians of --samples (>= 50).
 Effective bandwidth counts T*(2*H*64 + 2*64 + 512)*2 + T*576*cache_elem + 8*T bytes (q_pe,
 k_pe, kv_c read; q_pe_rot, k_pe_rot and the cache row written; positions, slots).
 
+FlashInfer (optional: where `import flashinfer` works, else the output says why and the rest
+runs as before; --no-flashinfer leaves it out) is timed the same way, as the composition of
+its kernels that gives the same result, in MlaWorkload._flashinfer's docstring: its rope
+kernel on a float32 cos/sin cache (float64 angles times the YaRN attention scaling, positions
+below 2^17), then its MLA cache append (bf16) or its fused rope + fp8 quantise + MLA append
+with no q heads (fp8; PDL on), page size 1 so that a random slot is a page. Its table gives
+ropepool's time over FlashInfer's in each mode.
+
 Before timing, on input set 0, every contender is checked against independent results:
 q_pe_rot/k_pe_rot against eager's within 2 ulp plus SPEC §1's float32 term (eager's own
 against ropepool's, through ropepool's check), the cache rows' kv_c part bit for bit against
@@ -58,8 +66,9 @@ import torch
 
 import ropepool
 from gpu_bench import (CALLS_PER_BATCH, MODES, copy_ceiling, copy_seconds, distinct_slots,
-                       e4m3_close, finish, open_device, rotation_problems, time_back_to_back,
-                       time_graph, time_per_call, warm_up)
+                       e4m3_close, finish, flashinfer_cos_sin_cache, import_flashinfer,
+                       open_device, rotation_problems, time_back_to_back, time_graph,
+                       time_per_call, warm_up)
 
 R, L, NOPE, CACHE_ROWS = 64, 512, 128, 262144
 FP8 = torch.float8_e4m3fn
@@ -82,6 +91,8 @@ def parse_args(argv=None):
                    help="one pass over the input sets is at least this many L2s")
     p.add_argument("--samples", type=int, default=50, help="samples per median (>= 50)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
+    p.add_argument("--no-flashinfer", action="store_true",
+                   help="leave FlashInfer out even where it imports")
     p.add_argument("--seed", type=int, default=20240601)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
@@ -159,12 +170,61 @@ class MlaWorkload:
         return self.q_pe[r], self.k_pe[r], self.kv_c[r], self.positions[r], self.slots[r]
 
     def contender(self, name, compiled=None):
-        """fn(q_pe, k_pe, kv_c, positions, slots) -> (q_pe_rot, k_pe_rot, ...) into the cache."""
+        """fn(q_pe, k_pe, kv_c, positions, slots) -> (q_pe_rot, k_pe_rot, ...) into the cache;
+        for "flashinfer", `compiled` is the flashinfer module."""
+        if name == "flashinfer":
+            return self._flashinfer(compiled)
         if name == "ropepool":
             return lambda *a: ropepool.mla_rope_pool_fused(
                 *a, self.cache, rope_base=10000.0, schedule=SCHEDULE, kv_scale=self.scale)
         f = eager if name == "eager" else compiled
         return lambda *a: f(*a, self.cache, self.inv_freq64, self.scale or 1.0)
+
+    def _flashinfer(self, fi):
+        """FlashInfer's composition of the same result (it has no one call for it: its fused MLA
+        kernel quantises q to fp8, q_nope [T, H, 512] included, and writes no k_pe_rot):
+        its rope kernel on the cos/sin cache (the op behind apply_rope_with_cos_sin_cache,
+        called directly because that wrapper flattens q and q_pe is a strided view), GPT-J
+        pairs, giving q_pe_rot and k_pe_rot; then the cache rows, page size 1 (a slot is a
+        page: kv_indices = slots, batch_indices = 0..T-1, kv_indptr = 0..T, positions 0),
+        ckv and kpe the column views [:, :, :512] and [:, :, 512:] of the cache as
+        [P, 1, 576]: bf16 append_paged_mla_kv_cache(kv_c, k_pe_rot); fp8
+        rope_quantize_fp8_append_paged_kv_cache with no q heads (q_pe[:, :0]; k_pe rotated
+        again from its input, kv_c, kv_scale as the multiplier 1 / 0.5; PDL on). Its own bytes
+        go to self.fi_bytes."""
+        T, H, P, dev = self.T, self.H, self.P, self.device
+        cos_sin = flashinfer_cos_sin_cache(self.inv_freq64, 1 << 17, SCHEDULE.attention_scaling)
+        rows = self.cache.view(P, 1, L + R)
+        ckv, kpe = rows[..., :L], rows[..., L:]
+        batch = torch.arange(T, dtype=torch.int32, device=dev)
+        indptr = torch.arange(T + 1, dtype=torch.int32, device=dev)
+        zeros = torch.zeros(T, dtype=torch.int32, device=dev)
+        ones = torch.ones(T, dtype=torch.int32, device=dev)
+        no_q_nope = torch.empty(T, 0, L, dtype=torch.bfloat16, device=dev)
+        ce = self.cache.element_size()
+        rope = T * (2 * (H + 1) * R * 2 + R * 4 + 4)  # q_pe, k_pe read, rotated written, cos/sin
+        if self.scale is None:  # kv_c, k_pe_rot read, the row written, four index arrays
+            self.fi_bytes = rope + T * ((L + R) * 2 + (L + R) * 2 + 16)
+        else:  # k_pe, kv_c, cos/sin read, the row written, five index arrays
+            self.fi_bytes = rope + T * ((L + R) * 2 + R * 4 + (L + R) * ce + 20)
+
+        def call(q_pe, k_pe, kv_c, positions, slots):
+            q_rot = torch.empty(T, H, R, dtype=q_pe.dtype, device=dev)
+            k_rot = torch.empty(T, 1, R, dtype=k_pe.dtype, device=dev)
+            fi.rope._apply_rope_pos_ids_cos_sin_cache(
+                q=q_pe, k=k_pe.unsqueeze(1), q_rope=q_rot, k_rope=k_rot, cos_sin_cache=cos_sin,
+                pos_ids=positions, interleave=True)
+            if self.scale is None:
+                fi.page.append_paged_mla_kv_cache(kv_c, k_rot.view(T, R), batch, zeros, ckv, kpe,
+                                                  slots, indptr, ones)
+            else:
+                fi.rope.rope_quantize_fp8_append_paged_kv_cache(
+                    q_pe[:, :0], k_pe, no_q_nope, kv_c, None, cos_sin, positions, (ckv, kpe),
+                    slots, indptr, batch, zeros, is_neox=False, quantize_dtype=FP8,
+                    quant_scale_q=1.0, quant_scale_kv=1 / self.scale, page_size=1,
+                    enable_pdl=True)
+            return q_rot, k_rot.view(T, R)
+        return call
 
 
 def call_and_restore(w, fn, a):
@@ -218,13 +278,17 @@ def check(w, contenders):
     return problems, notes
 
 
-def bench_row(T, H, cache_dtype, args, gen, l2, copy_bps, compiled):
+def bench_row(T, H, cache_dtype, args, gen, l2, copy_bps, compiled, fi=None):
     """One row: checks, then every contender in the three modes (torch.compile's `compiled`
-    unless it is None; the row has a compile_error where it failed)."""
+    unless it is None; the row has a compile_error where it failed; FlashInfer's composition
+    where `fi`, the flashinfer module, is given)."""
     w = MlaWorkload(T, H, cache_dtype, args, gen, l2)
     row = dict(heads=H, cache=str(cache_dtype).removeprefix("torch."), T=T, bytes=w.bytes,
                input_sets=w.n_sets, cold_MB=w.cold_bytes / 1e6)
     contenders = {name: w.contender(name) for name in ("ropepool", "eager")}
+    if fi is not None:
+        contenders["flashinfer"] = w.contender("flashinfer", fi)
+        row["flashinfer_bytes"] = w.fi_bytes
     row["problems"], row["notes"] = check(w, contenders)
     if compiled is not None:
         fn = w.contender("compile", compiled)
@@ -252,6 +316,11 @@ def bench_row(T, H, cache_dtype, args, gen, l2, copy_bps, compiled):
         row[f"{name}_graph_us"] = t * 1e6
     for mode in ("call", "b2b"):
         row[f"ropepool_{mode}_pct_copy"] = 100 * w.bytes / (row[f"ropepool_{mode}_us"] * 1e-6) / copy_bps
+        if fi is not None:
+            row[f"flashinfer_{mode}_pct_copy"] = (100 * w.fi_bytes / (row[f"flashinfer_{mode}_us"]
+                                                                      * 1e-6) / copy_bps)
+    for mode in MODES if fi is not None else ():
+        row[f"ratio_{mode}"] = row[f"ropepool_{mode}_us"] / row[f"flashinfer_{mode}_us"]
     row["copy_same_bytes_us"] = copy_seconds(max(16, w.bytes // 2), reps=20, warmup=3) * 1e6
     del w, contenders
     torch.cuda.empty_cache()
@@ -264,6 +333,11 @@ def main(argv=None):
     if not ropepool.cuda_backend:
         sys.exit("gpu_bench_mla.py: ropepool was built without the CUDA backend")
     l2 = props.L2_cache_size
+    fi, fi_version = (None, None) if args.no_flashinfer else import_flashinfer()
+    if not args.no_flashinfer:
+        print(f"FlashInfer {fi_version}: timed beside ropepool" if fi is not None else
+              f"FlashInfer: NOT IMPORTABLE ({fi_version}); the benchmark runs without it",
+              flush=True)
     copy_bps = copy_ceiling()
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     rows, compile_errors = [], {}  # cache dtype: why torch.compile failed (not retried)
@@ -278,7 +352,7 @@ def main(argv=None):
             for T in args.tokens:
                 cache = str(cache_dtype).removeprefix("torch.")
                 row = bench_row(T, H, cache_dtype, args, gen, l2, copy_bps,
-                                None if cache in compile_errors else compiled)
+                                None if cache in compile_errors else compiled, fi)
                 if "compile_error" in row:
                     compile_errors[cache] = f"H={H} T={T}: {row['compile_error']}"
                 rows.append(row)
@@ -287,7 +361,9 @@ def main(argv=None):
     result = dict(device=props.name, torch=torch.__version__, copy_GBps=copy_bps / 1e9,
                   l2_bytes=l2, pool_rows=args.pool_rows, samples=args.samples,
                   l2_multiple=args.l2_multiple, rows=rows, problems=problems,
-                  compile_errors=compile_errors)
+                  compile_errors=compile_errors,
+                  flashinfer=(fi_version if fi is not None else f"not importable: {fi_version}")
+                  if fi_version else None)
     return finish(result, args.json, print_table)
 
 
@@ -317,11 +393,35 @@ def print_table(r):
     for x in rows:
         for note in x["notes"]:
             print(f"H={x['heads']} {x['cache']} T={x['T']} note: {note}")
+    print_flashinfer_table(r)
     host_bound = [f"H={x['heads']} {x['cache']} T={x['T']} {k[:-len('_host_bound')]}: {x[k]}"
                   for x in rows for k in x if k.endswith("_host_bound") and x[k]]
     if host_bound:
         print("samples where the host fell behind the GPU (they include host time): " +
               ", ".join(host_bound))
+
+
+def print_flashinfer_table(r):
+    version = r.get("flashinfer")
+    if version is None:
+        return
+    print()
+    fi_rows = [x for x in r["rows"] if "flashinfer_call_us" in x]
+    if not fi_rows:
+        print(f"FlashInfer: NOT MEASURED ({version})")
+        return
+    print(f"FlashInfer {version} beside ropepool (its rope kernel, then append_paged_mla_kv_cache "
+          "(bf16) or its fused rope + fp8 quantise + MLA append with no q heads (fp8); page size "
+          "1): GPU us per call (call / b2b / graph), its % of the copy ceiling by its own bytes, "
+          "and ropepool's time over FlashInfer's")
+    print(f"{'H':>4} {'cache':>5} {'T':>6} | {'ropepool (us)':^26} | {'FlashInfer (us)':^26} | "
+          f"{'%copy b2b':>9} | {'ropepool / FlashInfer':^22}")
+    for x in fi_rows:
+        print(f"{x['heads']:>4} {SHORT[x['cache']]:>5} {x['T']:>6} | " +
+              " ".join(f"{x[f'ropepool_{m}_us']:>8.2f}" for m in MODES) + " | " +
+              " ".join(f"{x[f'flashinfer_{m}_us']:>8.2f}" for m in MODES) +
+              f" | {x['flashinfer_b2b_pct_copy']:>9.1f} | " +
+              " ".join(f"{x[f'ratio_{m}']:>6.3f}" for m in MODES))
 
 
 if __name__ == "__main__":
