@@ -93,3 +93,28 @@ def test_the_table(capsys):
     assert table[1].endswith("ropepool: wrong")
     assert "torch.compile dropped for the float8_e4m3fn cache from H=128 T=1: E: no" in out
     assert any("eager_b2b: 2" in line for line in out) and "CHECK FAILED:" in out
+
+
+def test_flashinfer_is_optional_and_said(monkeypatch, capsys):
+    """FlashInfer (a benchmark peer): a failed import is a reason, never an error, and the
+    tables say whether it was measured."""
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # so import flashinfer fails
+    fi, why = gpu_bench_mla.import_flashinfer()
+    assert fi is None and why.startswith("ModuleNotFoundError")
+    row = dict(heads=16, cache="bfloat16", T=4096, problems=[], notes=[],
+               ropepool_call_pct_copy=50.0, ropepool_b2b_pct_copy=60.0,
+               flashinfer_b2b_pct_copy=40.0)
+    for name, t in (("ropepool", 8.0), ("eager", 100.0), ("flashinfer", 10.0)):
+        row.update({f"{name}_{m}_us": t for m in gpu_bench_mla.MODES})
+    row.update({f"ratio_{m}": 0.8 for m in gpu_bench_mla.MODES})
+    result = dict(device="GPU", copy_GBps=4000.0, pool_rows=262144, samples=50, l2_multiple=4.0,
+                  rows=[row], problems=[], compile_errors={}, flashinfer="0.7.2.post1")
+    gpu_bench_mla.print_table(result)
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("FlashInfer 0.7.2.post1 beside ropepool") for line in out)
+    assert out[-1].split() == ["16", "bf16", "4096", "|", "8.00", "8.00", "8.00", "|", "10.00",
+                               "10.00", "10.00", "|", "40.0", "|", "0.800", "0.800", "0.800"]
+    gpu_bench_mla.print_table(dict(result, flashinfer=f"not importable: {why}",
+                                   rows=[{k: v for k, v in row.items()
+                                          if not k.startswith(("flashinfer", "ratio"))}]))
+    assert capsys.readouterr().out.splitlines()[-1] == f"FlashInfer: NOT MEASURED (not importable: {why})"
