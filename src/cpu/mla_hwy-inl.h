@@ -10,9 +10,13 @@
 //
 // The op moves T * ((2 * H + 2) * R + L) elements plus the cache rows once, with little
 // arithmetic, so it is bound by memory. What that takes:
-// - Software prefetch a few KiB ahead. q_pe is a strided view (R of every nope + R elements)
-//   read next to the k_pe/kv_c stream, and the hardware prefetchers lose track of such mixed
-//   streams: without it one thread read about 2 GB/s.
+// - Software prefetch a few KiB ahead, into L2. q_pe is a strided view (R of every nope + R
+//   elements) read next to the k_pe/kv_c stream, and the hardware prefetchers lose track of
+//   such mixed streams: without it one thread read about 2 GB/s. Prefetching into L1 instead
+//   holds an L1 miss buffer per line for the whole trip to memory, and there are too few of
+//   them for 128-byte pieces spread over memory: a plain copy of 128 of every 384 bytes moved
+//   about 19 GB/s on two AMD EPYC threads with L1 prefetches, 37 with L2 prefetches (dense:
+//   45); the op itself gained 1.3-1.5x at T = 4096 (PERFORMANCE.md, SPEC §8 on the CPU).
 // - Non-temporal stores for large calls (CallPlan::stream_stores' threshold), which save the
 //   read-for-ownership of every written line, the random cache rows included. Rows that are
 //   not vector-aligned (any view is accepted) are staged in L1 and copied out with aligned
@@ -67,16 +71,28 @@ HWY_INLINE void StreamBytes(void* dst, const void* src, size_t n) {
   }
 }
 
-// Every 64-byte line of [p, p + bytes), bytes > 0.
+// Every 64-byte line of [p, p + bytes), bytes > 0, into L1.
 HWY_INLINE void PrefetchBytes(const void* p, int64_t bytes) {
   const uintptr_t last = reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes) - 1;
   for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63); a <= last; a += 64)
     hwy::Prefetch(reinterpret_cast<const char*>(a));
 }
 
+// The same into L2 (x86 prefetcht1, Arm PLDL2KEEP; where the compiler has no such hint, L1).
+HWY_INLINE void PrefetchBytesL2(const void* p, int64_t bytes) {
+  const uintptr_t last = reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes) - 1;
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63); a <= last; a += 64) {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(reinterpret_cast<const char*>(a), 0, 2);
+#else
+    hwy::Prefetch(reinterpret_cast<const char*>(a));
+#endif
+  }
+}
+
 // Tokens whose cache rows are touched together, the most q_pe_rot bytes staged at once, and
 // how far ahead of the rotation inputs are prefetched (see the loop; measured: 2 KiB is too
-// close, 16 KiB no better).
+// close with L1 prefetches, 16 KiB no better; with L2 prefetches 2 to 16 KiB time alike).
 constexpr int64_t kRowBatch = 16;
 constexpr int64_t kStageBytes = 2048;
 constexpr int64_t kPrefetchBytes = 4096;
@@ -157,7 +173,8 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
   const int64_t cache_row_bytes = (L + R) * int64_t(cache_es);
   // Prefetching follows a cursor over the flat list of q_pe rows (token-major) kPrefetchBytes
   // of rows ahead of the one being rotated; as it enters a token, that token's other inputs
-  // and the lines it writes with plain stores are prefetched too. The same distance serves a
+  // (into L2, as the q_pe rows) and the lines it writes with plain stores (into L1) are
+  // prefetched too. The same distance serves a
   // decode step (T = 1: the heads of the one token) and long prefill runs.
   // Cache rows are random, one or two 4 KiB pages each, so nearly every one costs a page walk
   // (a nested one in a VM). Touching the first and last line of kRowBatch tokens' rows together
@@ -179,8 +196,8 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
     if (pf_t >= num_tokens) return;
     if (pf_h == 0) {
       if (pf_t >= touched_end) touch_rows(pf_t);
-      PrefetchBytes(static_cast<const T*>(p.kv_c.data) + pf_t * p.kv_c.row_stride, L * int64_t(es));
-      PrefetchBytes(static_cast<const T*>(p.k_pe.data) + pf_t * p.k_pe.row_stride, R * int64_t(es));
+      PrefetchBytesL2(static_cast<const T*>(p.kv_c.data) + pf_t * p.kv_c.row_stride, L * int64_t(es));
+      PrefetchBytesL2(static_cast<const T*>(p.k_pe.data) + pf_t * p.k_pe.row_stride, R * int64_t(es));
       // A line this core has read ahead is held exclusively, so a plain store to it needs no
       // read-for-ownership: k_out, the first line of a staged q_out block (shared with the
       // previous token's last), the cache row when not streaming.
@@ -189,7 +206,7 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
       const int64_t slot = p.slots[pf_t];
       if (!stream && slot >= 0) PrefetchBytes(cache_row(slot), cache_row_bytes);
     }
-    PrefetchBytes(q_in(pf_t, pf_h), int64_t(q_row_bytes));
+    PrefetchBytesL2(q_in(pf_t, pf_h), int64_t(q_row_bytes));
     if (++pf_h == H) pf_h = 0, ++pf_t;
   };
   for (int64_t r = 0; r < std::max<int64_t>(1, kPrefetchBytes / int64_t(q_row_bytes)); ++r)
