@@ -44,7 +44,7 @@ struct BenchConfig {
   DType q_out_dtype = DType::Other;  // Other: dtype
   KvLayout kv_layout = KvLayout::None;
   int64_t page_size = 1;
-  static constexpr double kScale = 0.015625;  // k/v/q scale of fp8 runs (a power of two)
+  double fp8_scale = 0.015625;  // k/v/q scale of fp8 runs (default 1/64, a power of two)
   // SPEC §7: --qk-norm (q and k weights in the input dtype, Qwen3's "rms" style) and
   // --mrope (positions [3, T], Qwen2-VL's sections scaled to head_dim).
   bool qk_norm = false;
@@ -192,7 +192,7 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
   };
   const TensorView k_pool_view = pool_view(k_pool), v_pool_view = pool_view(v_pool);
   const bool fp8_pool = pd == DType::Float8E4M3FN, fp8_q = cfg.q_out_dtype == DType::Float8E4M3FN;
-  const float scale = float(BenchConfig::kScale);
+  const float scale = float(cfg.fp8_scale);
   // A written pool row (slot) against token t of an input set: q's dtype: bit-identical to
   // k_out / v; fp8: v exactly e4m3(v / v_scale), k within one e4m3 step of e4m3(k_out /
   // k_scale) (the kernel quantises the float32 rotated value that k_out rounds).
@@ -497,6 +497,8 @@ options:
   --pool-dtype D     same (default: the pools in --dtype) or fp8 (float8_e4m3fn pools,
                      k_scale = v_scale = 1/64; k rows checked within one e4m3 step)
   --q-out-dtype D    same (default) or fp8 (float8_e4m3fn q_rot, q_scale = 1/64)
+  --fp8-scale X      the fp8 scales instead of 1/64 (rounded to float32; a scale that is not
+                     a power of two divides instead of multiplying by its reciprocal)
   --kv-layout L      none (default: [P, Hk, D] pools), NHD or HND (paged, SPEC §6)
   --page-size N      slots per page with --kv-layout NHD/HND (default 16)
   --num-qo-heads N, --num-kv-heads N, --head-dim N, --rope-base X
@@ -564,6 +566,10 @@ int run_bench(Args& args) {
       else if (v == "fp8" || v == "float8_e4m3fn") d = DType::Float8E4M3FN;
       else throw UsageError{o + " must be same or fp8, got '" + v + "'"};
       (o == "--pool-dtype" ? cfg.pool_dtype : cfg.q_out_dtype) = d;
+    } else if (o == "--fp8-scale") {
+      cfg.fp8_scale = parse_double(o, args.value(o));
+      if (!(float(cfg.fp8_scale) > 0.0f && std::isfinite(float(cfg.fp8_scale))))
+        throw UsageError{"--fp8-scale must be finite and > 0 as a float32"};
     } else if (o == "--kv-layout") {
       const std::string v = args.value(o);
       if (v == "none") cfg.kv_layout = KvLayout::None;
@@ -585,8 +591,8 @@ int run_bench(Args& args) {
   if (cfg.q_out_dtype == DType::Other) cfg.q_out_dtype = cfg.dtype;
   cfg.params.kv_layout = cfg.kv_layout;
   if (cfg.pool_dtype == DType::Float8E4M3FN)
-    cfg.params.k_scale.value = cfg.params.v_scale.value = BenchConfig::kScale;
-  if (cfg.q_out_dtype == DType::Float8E4M3FN) cfg.params.q_scale.value = BenchConfig::kScale;
+    cfg.params.k_scale.value = cfg.params.v_scale.value = cfg.fp8_scale;
+  if (cfg.q_out_dtype == DType::Float8E4M3FN) cfg.params.q_scale.value = cfg.fp8_scale;
   set_cpu_num_threads(cfg.threads);
   detail::cpu::set_stream_min_bytes(cfg.stream_min_mib < 0 ? -1 : cfg.stream_min_mib << 20);
 
@@ -615,11 +621,11 @@ int run_bench(Args& args) {
       dtype_name(cfg.dtype), (long long)p.num_qo_heads, (long long)p.num_kv_heads,
       (long long)p.head_dim, p.rope_base, dtype_name(cfg.index_dtype),
       int(std::log2(double(cfg.max_position))), cfg.skip_fraction * 100);
-  std::printf("pools: %s, kv_layout %s, page_size %lld; q_rot %s%s\n", dtype_name(cfg.pool_dtype),
-              kv_layout_name(cfg.kv_layout), (long long)cfg.page_size, dtype_name(cfg.q_out_dtype),
-              cfg.pool_dtype == DType::Float8E4M3FN || cfg.q_out_dtype == DType::Float8E4M3FN
-                  ? "; fp8 scales 1/64"
-                  : "");
+  std::printf("pools: %s, kv_layout %s, page_size %lld; q_rot %s", dtype_name(cfg.pool_dtype),
+              kv_layout_name(cfg.kv_layout), (long long)cfg.page_size, dtype_name(cfg.q_out_dtype));
+  if (cfg.pool_dtype == DType::Float8E4M3FN || cfg.q_out_dtype == DType::Float8E4M3FN)
+    std::printf("; fp8 scales %.9g", double(float(cfg.fp8_scale)));
+  std::printf("\n");
   if (cfg.stream_min_mib < 0)
     std::printf("stores: cached only (--stream-min-mib -1)\n");
   else
