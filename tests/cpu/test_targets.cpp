@@ -372,7 +372,10 @@ void e4m3_on_every_boundary(const char* target) {
   in.push_back(bits_float(0xffc00123u));
   std::vector<uint8_t> out(in.size());
   int64_t bad = 0;
-  for (float scale : {1.0f, 0.3f, 3.0f, 1.0f / 448.0f, 0x1p-20f, 1e20f}) {
+  // 2^-106 and above fold E4M3Code's 2^20 into the division; 2^-107, 1e-33 (below) and
+  // float32 subnormal scales divide first
+  for (float scale : {1.0f, 0.3f, 3.0f, 1.0f / 448.0f, 0x1p-20f, 1e20f, 0x1p-106f, 0x1p-107f,
+                      1e-33f, 3e-39f, 0x1p100f}) {
     std::vector<float> pre(in.size());
     for (size_t i = 0; i < in.size(); ++i) pre[i] = in[i] * scale;  // x / scale near the boundary
     detail::cpu::quantize_e4m3_row_hwy(pre.data(), out.data(), int64_t(pre.size()), scale);
@@ -397,7 +400,7 @@ void e4m3_on_every_boundary(const char* target) {
   std::vector<uint16_t> all16(1 << 16);
   std::iota(all16.begin(), all16.end(), 0);
   out.resize(all16.size());
-  for (float scale : {1.0f, 0x1p-6f, 0.3f, 3.0f, 1.0f / 448.0f, 1e20f}) {
+  for (float scale : {1.0f, 0x1p-6f, 0.3f, 3.0f, 1.0f / 448.0f, 1e20f, 0x1p-107f, 1e-33f, 0x1p-120f}) {
     // rows of many lengths, so whole vectors, half vectors and the scalar tail all run
     for (size_t at = 0, len = 1; at < all16.size(); at += len, len = len % 97 + 13)
       detail::cpu::quantize_e4m3_bf16_row_hwy(all16.data() + at, out.data() + at,
