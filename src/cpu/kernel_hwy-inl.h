@@ -617,8 +617,10 @@ struct Divisor {
 
 // x / scale * 2^20 (E4M3Code's input) with the Divisor's choice of operations.
 HWY_INLINE VF Scaled(DF df, VF x, const Divisor& d) {
-  if (HWY_UNLIKELY(!d.folded)) return hn::Mul(hn::Div(x, hn::Set(df, d.scale)), hn::Set(df, kE4M3Pre));
-  return d.exact_reciprocal ? hn::Mul(x, hn::Set(df, d.reciprocal20)) : hn::Div(x, hn::Set(df, d.divisor20));
+  if (HWY_UNLIKELY(!d.folded))
+    return hn::Mul(hn::Div(x, hn::Set(df, d.scale)), hn::Set(df, kE4M3Pre));
+  return d.exact_reciprocal ? hn::Mul(x, hn::Set(df, d.reciprocal20))
+                            : hn::Div(x, hn::Set(df, d.divisor20));
 }
 
 // out[i] = e4m3(in[i] / scale) for a float32 row (the rotated values) or, with E, a row of
@@ -628,7 +630,8 @@ HWY_INLINE void QuantizeRow(const typename E::T* in, uint8_t* out, int64_t n, co
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   int64_t i = 0;
-  for (; i + N <= n; i += N) hn::StoreU(ToE4M3(df, Scaled(df, E::load(df, in + i), d)), DU8(), out + i);
+  for (; i + N <= n; i += N)
+    hn::StoreU(ToE4M3(df, Scaled(df, E::load(df, in + i), d)), DU8(), out + i);
   for (; i < n; ++i) out[i] = float_to_e4m3(E::scalar_load(in[i]) / d.scale);
 }
 
@@ -745,14 +748,15 @@ HWY_INLINE void RotateRowToE4M3(const typename E::T* x, uint8_t* out, const floa
 // bytes 2j and 2j + 1 (half a vector of bytes).
 // Magnitudes beyond 448 (after the scale) and NaN are rare: one test for both vectors (their
 // larger |bits|), and only then the clamp and NaN's code (E4M3Code); otherwise
-// E4M3CodeInRange alone, three vector operations fewer per vector.
+// E4M3CodeInRange alone: no clamp, NaN compare or select, for a maximum and a compare per pair.
 HWY_INLINE VU16 E4M3EvenOdd(DF df, VF even, VF odd) {
   const DU32 du32;
   const auto ue = hn::BitCast(du32, even), uo = hn::BitCast(du32, odd);
   const auto abs_e = hn::And(ue, hn::Set(du32, 0x7fffffffu));
   const auto abs_o = hn::And(uo, hn::Set(du32, 0x7fffffffu));
   hn::Vec<DU32> code_e, code_o;
-  if (HWY_UNLIKELY(!hn::AllFalse(du32, hn::Gt(hn::Max(abs_e, abs_o), hn::Set(du32, kE4M3MaxBits))))) {
+  const auto larger = hn::Max(abs_e, abs_o);
+  if (HWY_UNLIKELY(!hn::AllFalse(du32, hn::Gt(larger, hn::Set(du32, kE4M3MaxBits))))) {
     code_e = E4M3Code(df, even);
     code_o = E4M3Code(df, odd);
   } else {
