@@ -497,8 +497,9 @@ options:
   --pool-dtype D     same (default: the pools in --dtype) or fp8 (float8_e4m3fn pools,
                      k_scale = v_scale = 1/64; k rows checked within one e4m3 step)
   --q-out-dtype D    same (default) or fp8 (float8_e4m3fn q_rot, q_scale = 1/64)
-  --fp8-scale X      the fp8 scales instead of 1/64 (rounded to float32; a scale that is not
-                     a power of two divides instead of multiplying by its reciprocal)
+  --fp8-scale X      the fp8 scales instead of 1/64, with --pool-dtype or --q-out-dtype fp8
+                     (rounded to float32; a scale that is not a power of two divides instead
+                     of multiplying by its reciprocal)
   --kv-layout L      none (default: [P, Hk, D] pools), NHD or HND (paged, SPEC §6)
   --page-size N      slots per page with --kv-layout NHD/HND (default 16)
   --num-qo-heads N, --num-kv-heads N, --head-dim N, --rope-base X
@@ -517,6 +518,7 @@ int run_bench(Args& args) {
   BenchConfig cfg;
   cfg.threads = cpu_num_threads();
   int64_t page_size_given = 0;
+  bool fp8_scale_given = false;
   while (!args.done()) {
     const std::string o = args.next_option();
     if (o == "-h" || o == "--help") {
@@ -567,6 +569,7 @@ int run_bench(Args& args) {
       else throw UsageError{o + " must be same or fp8, got '" + v + "'"};
       (o == "--pool-dtype" ? cfg.pool_dtype : cfg.q_out_dtype) = d;
     } else if (o == "--fp8-scale") {
+      fp8_scale_given = true;
       cfg.fp8_scale = parse_double(o, args.value(o));
       if (!(float(cfg.fp8_scale) > 0.0f && std::isfinite(float(cfg.fp8_scale))))
         throw UsageError{"--fp8-scale must be finite and > 0 as a float32"};
@@ -584,6 +587,8 @@ int run_bench(Args& args) {
   }
   if (page_size_given && cfg.kv_layout == KvLayout::None)
     throw UsageError{"--page-size needs --kv-layout NHD or HND"};
+  if (fp8_scale_given && cfg.pool_dtype != DType::Float8E4M3FN && cfg.q_out_dtype != DType::Float8E4M3FN)
+    throw UsageError{"--fp8-scale needs --pool-dtype fp8 or --q-out-dtype fp8"};
   if (cfg.qk_norm && (cfg.pool_dtype == DType::Float8E4M3FN || cfg.q_out_dtype == DType::Float8E4M3FN))
     throw UsageError{"--qk-norm with fp8 pools or q_rot: the bench cannot verify that yet"};
   if (cfg.kv_layout != KvLayout::None) cfg.page_size = page_size_given ? page_size_given : 16;
