@@ -513,6 +513,38 @@ def other_rows(var, slots):
     return k.view(torch.uint8), v.view(torch.uint8)
 
 
+def other_rows_problems(var, slots, before):
+    """[a problem] when a row of var's pools that `slots` does not name differs from `before`
+    (other_rows taken before the call)."""
+    if all(torch.equal(x, y) for x, y in zip(before, other_rows(var, slots))):
+        return []
+    return ["pool rows no token names changed"]
+
+
+def fp8_q_problems(q_rot, q_ref, scale):
+    """[a problem] unless q_rot is fp8 within one e4m3 step of e4m3(q_ref / scale)."""
+    if q_rot.dtype == FP8 and e4m3_close(q_rot, (q_ref.float() / scale).to(FP8)):
+        return []
+    return ["fp8 q_rot is not within one e4m3 step of e4m3(q_rot / q_scale)"]
+
+
+def written_rows_problems(k_rows, v_rows, k_want, v, fp8_scales=None):
+    """The pool rows the slots name: with fp8_scales = (k_scale, v_scale), v rows
+    e4m3(v / v_scale) bit for bit and k rows within one e4m3 step of e4m3(k_want / k_scale);
+    without, k_want / v bit for bit."""
+    problems = []
+    if fp8_scales is not None:
+        k_scale, v_scale = fp8_scales
+        v_want = (v.float() / v_scale).to(FP8)
+        if not torch.equal(v_rows.view(torch.uint8), v_want.view(torch.uint8)):
+            problems.append("fp8 v rows are not e4m3(v / v_scale) bit for bit")
+        if not e4m3_close(k_rows, (k_want.float() / k_scale).to(FP8)):
+            problems.append("fp8 k rows are not within one e4m3 step of e4m3(k_rot / k_scale)")
+    elif not (torch.equal(k_rows, k_want) and torch.equal(v_rows, v)):
+        problems.append("pool rows are not bit-identical to k_rot / v")
+    return problems
+
+
 def check_cache_variant(var, w):
     """The variant's outputs on set 0 against the plain bf16 call's: problems (a list)."""
     a = w.args_of(0)
@@ -520,25 +552,15 @@ def check_cache_variant(var, w):
     before = other_rows(var, a[4])
     q_rot, k_rot = var.call(*a)[:2]
     k_rows, v_rows = var.rows(a[4])
-    problems = []
-    if not all(torch.equal(x, y) for x, y in zip(before, other_rows(var, a[4]))):
-        problems.append("pool rows no token names changed")
+    problems = other_rows_problems(var, a[4], before)
     if not torch.equal(k_rot, k_ref):
         problems.append("k_rot differs from the plain call's")
     if var.q8:
-        if q_rot.dtype != FP8 or not e4m3_close(q_rot, (q_ref.float() / var.q_scale).to(FP8)):
-            problems.append("fp8 q_rot is not within one e4m3 ulp of e4m3(q_rot / q_scale)")
+        problems += fp8_q_problems(q_rot, q_ref, var.q_scale)
     elif not torch.equal(q_rot, q_ref):
         problems.append("q_rot differs from the plain call's")
-    if var.fp8:
-        v_want = (a[2].float() / var.v_scale).to(FP8)
-        if not torch.equal(v_rows.view(torch.uint8), v_want.view(torch.uint8)):
-            problems.append("fp8 v rows are not e4m3(v / v_scale) bit for bit")
-        if not e4m3_close(k_rows, (k_ref.float() / var.k_scale).to(FP8)):
-            problems.append("fp8 k rows are not within one e4m3 ulp of e4m3(k_rot / k_scale)")
-    elif not (torch.equal(k_rows, k_ref) and torch.equal(v_rows, a[2])):
-        problems.append("pool rows are not bit-identical to k_rot / v")
-    return problems
+    scales = (var.k_scale, var.v_scale) if var.fp8 else None
+    return problems + written_rows_problems(k_rows, v_rows, k_ref, a[2], scales)
 
 
 def cache_formats(args, gen, l2, copy_bps, compiled_fp8, fi=None, fi_rows=None):
@@ -730,24 +752,16 @@ def check_flashinfer_variant(var, w):
     before = other_rows(var, a[4])
     q_rot, k_rot = var.call(*a)
     k_rows, v_rows = var.rows(a[4])
-    problems = []
-    if not all(torch.equal(x, y) for x, y in zip(before, other_rows(var, a[4]))):
-        problems.append("pool rows no token names changed")
+    problems = other_rows_problems(var, a[4], before)
     if var.q8:
-        if q_rot.dtype != FP8 or not e4m3_close(q_rot, (q_ref.float() / var.scale).to(FP8)):
-            problems.append("fp8 q_rot is not within one e4m3 step of e4m3(q_rot / 0.5)")
+        problems += fp8_q_problems(q_rot, q_ref, var.scale)
     else:
         problems += rotation_problems("q_rot vs eager", q_rot, q_ref, a[0])
         problems += rotation_problems("k_rot vs eager", k_rot, k_ref, a[1])
-    if var.fp8:
-        v_want = (a[2].float() / var.scale).to(FP8)
-        if not torch.equal(v_rows.view(torch.uint8), v_want.view(torch.uint8)):
-            problems.append("fp8 v rows are not e4m3(v / 0.5) bit for bit")
-        if not e4m3_close(k_rows, (k_ref.float() / var.scale).to(FP8)):
-            problems.append("fp8 k rows are not within one e4m3 step of e4m3(k_rot / 0.5)")
-    elif not (torch.equal(k_rows, k_rot) and torch.equal(v_rows, a[2])):
-        problems.append("pool rows are not bit-identical to its k_rot / v")
-    return problems
+    # fp8 rows against eager's k (the fused kind returns no k_rot); bf16 rows against its own k_rot
+    k_want = k_ref if var.fp8 else k_rot
+    scales = (var.scale, var.scale) if var.fp8 else None
+    return problems + written_rows_problems(k_rows, v_rows, k_want, a[2], scales)
 
 
 def print_flashinfer_table(rows, version):
