@@ -602,11 +602,12 @@ HWY_INLINE hn::Vec<DU8> ToE4M3(DF df, VF v20) { return hn::TruncateTo(DU8(), E4M
 // scale below 2^-106 (where scale * 2^-20 would not be a normal float32) divides first and
 // multiplies by 2^20 after.
 struct Divisor {
-  float scale = 1.0f, reciprocal = 1.0f;
+  float scale = 1.0f;
   float divisor20 = 1.0f / kE4M3Pre, reciprocal20 = kE4M3Pre;  // scale * 2^-20, 2^20 / scale
   bool exact_reciprocal = true;
   bool folded = true;  // divisor20 and reciprocal20 are exact
-  explicit Divisor(float s) : scale(s), reciprocal(1.0f / s) {
+  explicit Divisor(float s) : scale(s) {
+    const float reciprocal = 1.0f / s;
     exact_reciprocal = std::isfinite(reciprocal) && reciprocal != 0.0f &&
                        (float_bits(s) & 0x7fffffu) == 0 && (float_bits(s) & 0x7f800000u) != 0;
     folded = s >= 0x1p-106f;
