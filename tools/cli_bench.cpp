@@ -495,8 +495,8 @@ options:
   --stream-min-mib N calls moving at least N MiB use non-temporal stores (default 16, the
                      library's threshold; -1: never), to measure that choice on a machine
   --pool-dtype D     same (default: the pools in --dtype) or fp8 (float8_e4m3fn pools,
-                     k_scale = v_scale = 1/64; k rows checked within one e4m3 step)
-  --q-out-dtype D    same (default) or fp8 (float8_e4m3fn q_rot, q_scale = 1/64)
+                     k_scale = v_scale = --fp8-scale; k rows checked within one e4m3 step)
+  --q-out-dtype D    same (default) or fp8 (float8_e4m3fn q_rot, q_scale = --fp8-scale)
   --fp8-scale X      the fp8 scales instead of 1/64, with --pool-dtype or --q-out-dtype fp8
                      (rounded to float32; a scale that is not a power of two divides instead
                      of multiplying by its reciprocal)
