@@ -8,6 +8,8 @@
 #include <ctime>
 #include <fstream>
 #include <mutex>
+#include <optional>
+#include <sstream>
 #include <thread>
 
 #include "cli_common.hpp"
@@ -122,9 +124,20 @@ struct InputSet {
   uint64_t seed = 0;
 };
 
+// One cache format of a run (SPEC §6): every combination of the --pool-dtype, --q-out-dtype,
+// --kv-layout and --page-size lists.
+struct Format {
+  DType pool_dtype = DType::Other;   // Other: --dtype
+  DType q_out_dtype = DType::Other;  // Other: --dtype
+  KvLayout kv_layout = KvLayout::None;
+  int64_t page_size = 1;
+};
+
 struct TokenResult {
+  Format format;
   int64_t tokens = 0, pool_slots = 0, sets = 0, calls = 0;
   double bytes_per_call = 0;
+  std::vector<double> samples;  // seconds per call, every round's
   Percentiles seconds;
   double gbps = 0, copy_ratio = 0;
   CheckStats q_check, k_check, pool_check;
@@ -386,10 +399,27 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
     rope_pool_fused(tv, p);
     samples.push_back(seconds_since(t0));
   }
-  r.calls = int64_t(samples.size());
-  r.seconds = percentiles(samples);
+  r.samples = std::move(samples);
+  r.calls = int64_t(r.samples.size());
+  r.seconds = percentiles(r.samples);
   r.gbps = r.bytes_per_call / r.seconds.median * 1e-9;
   return r;
+}
+
+// The run's formats' settings in the config (and the scales they need in its params).
+BenchConfig with_format(const BenchConfig& base, const Format& f) {
+  BenchConfig cfg = base;
+  cfg.pool_dtype = f.pool_dtype;
+  cfg.q_out_dtype = f.q_out_dtype;
+  cfg.kv_layout = f.kv_layout;
+  cfg.page_size = f.page_size;
+  cfg.params.kv_layout = f.kv_layout;
+  std::optional<double> pool_scale, q_scale;  // SPEC §6: a scale only with an fp8 tensor
+  if (f.pool_dtype == DType::Float8E4M3FN) pool_scale = cfg.fp8_scale;
+  if (f.q_out_dtype == DType::Float8E4M3FN) q_scale = cfg.fp8_scale;
+  cfg.params.k_scale.value = cfg.params.v_scale.value = pool_scale;
+  cfg.params.q_scale.value = q_scale;
+  return cfg;
 }
 
 // --- report --------------------------------------------------------------------------------
@@ -423,10 +453,7 @@ void write_json(const BenchConfig& cfg, const CopyResult& copy_before, const Cop
     << ",\n  \"threads\": " << cfg.threads << ",\n"
     << "  \"load_average_start\": " << load_at_start << ",\n  \"load_average_end\": " << load_at_end
     << ",\n"
-    << "  \"dtype\": \"" << dtype_name(cfg.dtype) << "\",\n  \"pool_dtype\": \""
-    << dtype_name(cfg.pool_dtype) << "\",\n  \"q_out_dtype\": \"" << dtype_name(cfg.q_out_dtype)
-    << "\",\n  \"kv_layout\": \"" << kv_layout_name(cfg.kv_layout)
-    << "\",\n  \"page_size\": " << cfg.page_size << ",\n  \"index_dtype\": \""
+    << "  \"dtype\": \"" << dtype_name(cfg.dtype) << "\",\n  \"index_dtype\": \""
     << dtype_name(cfg.index_dtype) << "\",\n  \"num_qo_heads\": " << p.num_qo_heads
     << ",\n  \"num_kv_heads\": " << p.num_kv_heads << ",\n  \"head_dim\": " << p.head_dim
     << ",\n  \"rope_base\": " << p.rope_base << ",\n"
@@ -438,7 +465,10 @@ void write_json(const BenchConfig& cfg, const CopyResult& copy_before, const Cop
     << "  \"results\": [";
   for (size_t i = 0; i < rs.size(); ++i) {
     const TokenResult& r = rs[i];
-    f << (i ? ",\n" : "\n") << "    {\"tokens\": " << r.tokens
+    f << (i ? ",\n" : "\n") << "    {\"pool_dtype\": \"" << dtype_name(r.format.pool_dtype)
+      << "\", \"q_out_dtype\": \"" << dtype_name(r.format.q_out_dtype) << "\", \"kv_layout\": \""
+      << kv_layout_name(r.format.kv_layout) << "\", \"page_size\": " << r.format.page_size
+      << ", \"tokens\": " << r.tokens
       << ", \"pool_slots\": " << r.pool_slots << ", \"input_sets\": " << r.sets
       << ", \"calls\": " << r.calls << ", \"verified\": " << (r.ok() ? "true" : "false")
       << ", \"max_error_over_bound\": " << std::max(r.q_check.worst, r.k_check.worst)
@@ -466,7 +496,7 @@ is timed; a token count that fails is reported and not timed (exit status 1).
 
 Default workload: Llama-3-8B attention (num_qo_heads 32, num_kv_heads 8, head_dim 128,
 rope_base 500000), bfloat16, int32 positions/slots, T in 1,16,256,4096,32768, a pool of
-max(65536, 4T) slots, distinct random slots with ~5% set to -1 (no pool write), random
+max(65536, 4T) slots (--pool-slots), distinct random slots with ~5% set to -1 (no pool write), random
 positions below 2^17. Small T rotate among many input sets so caches do not flatter.
 
 Reported per T: median call time with p10/p90, GB/s with
@@ -492,6 +522,7 @@ options:
   --seconds S        timing budget per token count when --iters is not given (default 1)
   --copy-mib N       memcpy anchor buffer size in MiB (default 2 x L3, within 256..1024)
   --rotate-mib N     input bytes to rotate among for small T (default 2 x L3, within 256..1024)
+  --pool-slots N     pool slots: max(N, 4T) (default 65536), rounded up to whole pages
   --stream-min-mib N calls moving at least N MiB use non-temporal stores (default 16, the
                      library's threshold; -1: never), to measure that choice on a machine
   --pool-dtype D     same (default: the pools in --dtype) or fp8 (float8_e4m3fn pools,
@@ -502,6 +533,15 @@ options:
                      of multiplying by its reciprocal)
   --kv-layout L      none (default: [P, Hk, D] pools), NHD or HND (paged, SPEC §6)
   --page-size N      slots per page with --kv-layout NHD/HND (default 16)
+                     --pool-dtype, --q-out-dtype, --kv-layout and --page-size take comma
+                     lists: every combination is a cache format of the run (a 3-D pool takes
+                     no page size), each token count times them one after the other against
+                     the same memcpy anchor, and each row also gives its share of memcpy over
+                     the first format's at that T, e.g.
+                     --pool-dtype same,fp8 --kv-layout none,NHD,HND --page-size 1,16,64
+  --rounds N         time each token count's formats N times in turn, each time for
+                     1/N of --seconds (or --iters), pooling the samples (default 1), so that
+                     a machine whose load drifts affects every format alike
   --num-qo-heads N, --num-kv-heads N, --head-dim N, --rope-base X
                      a different attention shape
   --qk-norm          SPEC §7: normalise every q and k head first (weights [head_dim] in the
@@ -514,10 +554,25 @@ options:
 )";
 }
 
+// A comma-separated list of names, each parsed by `parse`.
+template <class F>
+auto parse_list(const std::string& option, const std::string& value, F parse) {
+  std::vector<decltype(parse(value))> out;
+  std::stringstream ss(value);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(parse(item));
+  if (out.empty() || value.back() == ',')
+    throw UsageError{option + " expects a comma-separated list, got '" + value + "'"};
+  return out;
+}
+
 int run_bench(Args& args) {
   BenchConfig cfg;
   cfg.threads = cpu_num_threads();
-  int64_t page_size_given = 0;
+  std::vector<int64_t> page_sizes;  // empty: not given
+  std::vector<DType> pool_dtypes = {DType::Other}, q_out_dtypes = {DType::Other};
+  std::vector<KvLayout> kv_layouts = {KvLayout::None};
+  int64_t rounds = 1;
   bool fp8_scale_given = false;
   while (!args.done()) {
     const std::string o = args.next_option();
@@ -562,42 +617,55 @@ int run_bench(Args& args) {
     } else if (o == "--json") {
       cfg.json_path = args.value(o);
     } else if (o == "--pool-dtype" || o == "--q-out-dtype") {
-      const std::string v = args.value(o);
-      DType d;
-      if (v == "same") d = DType::Other;
-      else if (v == "fp8" || v == "float8_e4m3fn") d = DType::Float8E4M3FN;
-      else throw UsageError{o + " must be same or fp8, got '" + v + "'"};
-      (o == "--pool-dtype" ? cfg.pool_dtype : cfg.q_out_dtype) = d;
+      (o == "--pool-dtype" ? pool_dtypes : q_out_dtypes) =
+          parse_list(o, args.value(o), [&](const std::string& v) {
+            if (v == "same") return DType::Other;
+            if (v == "fp8" || v == "float8_e4m3fn") return DType::Float8E4M3FN;
+            throw UsageError{o + " must be same or fp8 (or a list of them), got '" + v + "'"};
+          });
+    } else if (o == "--pool-slots") {
+      cfg.min_pool_slots = parse_int(o, args.value(o), 1);
+    } else if (o == "--rounds") {
+      rounds = parse_int(o, args.value(o), 1);
     } else if (o == "--fp8-scale") {
       fp8_scale_given = true;
       cfg.fp8_scale = parse_double(o, args.value(o));
       if (!(float(cfg.fp8_scale) > 0.0f && std::isfinite(float(cfg.fp8_scale))))
         throw UsageError{"--fp8-scale must be finite and > 0 as a float32"};
     } else if (o == "--kv-layout") {
-      const std::string v = args.value(o);
-      if (v == "none") cfg.kv_layout = KvLayout::None;
-      else if (v == "NHD") cfg.kv_layout = KvLayout::NHD;
-      else if (v == "HND") cfg.kv_layout = KvLayout::HND;
-      else throw UsageError{"--kv-layout must be none, NHD or HND, got '" + v + "'"};
+      kv_layouts = parse_list(o, args.value(o), [&](const std::string& v) {
+        if (v == "none") return KvLayout::None;
+        if (v == "NHD") return KvLayout::NHD;
+        if (v == "HND") return KvLayout::HND;
+        throw UsageError{"--kv-layout must be none, NHD or HND (or a list of them), got '" + v + "'"};
+      });
     } else if (o == "--page-size") {
-      page_size_given = parse_int(o, args.value(o), 1);
+      page_sizes = parse_list(o, args.value(o),
+                              [&](const std::string& v) { return parse_int(o, v, 1); });
     } else {
       args.unknown(o);
     }
   }
-  if (page_size_given && cfg.kv_layout == KvLayout::None)
+  auto has = [](const auto& list, auto value) {
+    return std::find(list.begin(), list.end(), value) != list.end();
+  };
+  const bool any_fp8 = has(pool_dtypes, DType::Float8E4M3FN) || has(q_out_dtypes, DType::Float8E4M3FN);
+  if (!page_sizes.empty() && !has(kv_layouts, KvLayout::NHD) && !has(kv_layouts, KvLayout::HND))
     throw UsageError{"--page-size needs --kv-layout NHD or HND"};
-  if (fp8_scale_given && cfg.pool_dtype != DType::Float8E4M3FN && cfg.q_out_dtype != DType::Float8E4M3FN)
+  if (fp8_scale_given && !any_fp8)
     throw UsageError{"--fp8-scale needs --pool-dtype fp8 or --q-out-dtype fp8"};
-  if (cfg.qk_norm && (cfg.pool_dtype == DType::Float8E4M3FN || cfg.q_out_dtype == DType::Float8E4M3FN))
+  if (cfg.qk_norm && any_fp8)
     throw UsageError{"--qk-norm with fp8 pools or q_rot: the bench cannot verify that yet"};
-  if (cfg.kv_layout != KvLayout::None) cfg.page_size = page_size_given ? page_size_given : 16;
-  if (cfg.pool_dtype == DType::Other) cfg.pool_dtype = cfg.dtype;
-  if (cfg.q_out_dtype == DType::Other) cfg.q_out_dtype = cfg.dtype;
-  cfg.params.kv_layout = cfg.kv_layout;
-  if (cfg.pool_dtype == DType::Float8E4M3FN)
-    cfg.params.k_scale.value = cfg.params.v_scale.value = cfg.fp8_scale;
-  if (cfg.q_out_dtype == DType::Float8E4M3FN) cfg.params.q_scale.value = cfg.fp8_scale;
+  if (page_sizes.empty()) page_sizes = {16};
+  // Every combination, in the order of the lists (a 3-D pool takes no page size).
+  std::vector<Format> formats;
+  for (DType pool : pool_dtypes)
+    for (DType q_out : q_out_dtypes)
+      for (KvLayout layout : kv_layouts)
+        for (int64_t page : layout == KvLayout::None ? std::vector<int64_t>{1} : page_sizes)
+          formats.push_back({pool == DType::Other ? cfg.dtype : pool,
+                             q_out == DType::Other ? cfg.dtype : q_out, layout, page});
+  cfg = with_format(cfg, formats.front());  // the header's settings with one format
   set_cpu_num_threads(cfg.threads);
   detail::cpu::set_stream_min_bytes(cfg.stream_min_mib < 0 ? -1 : cfg.stream_min_mib << 20);
 
@@ -626,11 +694,18 @@ int run_bench(Args& args) {
       dtype_name(cfg.dtype), (long long)p.num_qo_heads, (long long)p.num_kv_heads,
       (long long)p.head_dim, p.rope_base, dtype_name(cfg.index_dtype),
       int(std::log2(double(cfg.max_position))), cfg.skip_fraction * 100);
-  std::printf("pools: %s, kv_layout %s, page_size %lld; q_rot %s", dtype_name(cfg.pool_dtype),
-              kv_layout_name(cfg.kv_layout), (long long)cfg.page_size, dtype_name(cfg.q_out_dtype));
-  if (cfg.pool_dtype == DType::Float8E4M3FN || cfg.q_out_dtype == DType::Float8E4M3FN)
-    std::printf("; fp8 scales %.9g", double(float(cfg.fp8_scale)));
+  if (formats.size() == 1)
+    std::printf("pools: %s, kv_layout %s, page_size %lld; q_rot %s", dtype_name(cfg.pool_dtype),
+                kv_layout_name(cfg.kv_layout), (long long)cfg.page_size, dtype_name(cfg.q_out_dtype));
+  else
+    std::printf("%zu cache formats (pools, q_rot, kv_layout, page_size), each token count timing "
+                "them in turn%s",
+                formats.size(), rounds > 1 ? ", round after round" : "");
+  if (any_fp8) std::printf("; fp8 scales %.9g", double(float(cfg.fp8_scale)));
   std::printf("\n");
+  if (rounds > 1)
+    std::printf("rounds: %lld per token count; each format's samples are pooled over them\n",
+                (long long)rounds);
   if (cfg.stream_min_mib < 0)
     std::printf("stores: cached only (--stream-min-mib -1)\n");
   else
@@ -650,15 +725,39 @@ int run_bench(Args& args) {
                cfg.threads);
   const CopyResult copy_before = measure_memcpy(copy_bytes, cfg.threads, 7);
 
+  // Per token count, the formats one after the other (round after round with --rounds, each
+  // round a share of --iters / --seconds), so that formats compared at one T ran close in time.
   std::vector<TokenResult> results;
   bool all_ok = true;
   for (int64_t T : cfg.tokens) {
-    TokenResult r = run_tokens(cfg, T, rotate_bytes);
-    all_ok = all_ok && r.ok();
-    if (r.ok())
-      std::fprintf(stderr, "%s T=%lld: median %.2f us, %.2f GB/s\n", stage_prefix, (long long)T,
-                   r.seconds.median * 1e6, r.gbps);
-    results.push_back(std::move(r));
+    std::vector<TokenResult> at_t(formats.size());
+    for (int64_t round = 0; round < rounds; ++round)
+      for (size_t f = 0; f < formats.size(); ++f) {
+        TokenResult& acc = at_t[f];
+        if (round > 0 && !acc.ok()) continue;  // a failed check is not timed again
+        if (formats.size() > 1 || rounds > 1)
+          std::fprintf(stderr, "%s T=%lld: round %lld of %lld, pools %s, q_rot %s, kv_layout %s, page_size %lld\n",
+                       stage_prefix, (long long)T, (long long)round + 1, (long long)rounds,
+                       dtype_name(formats[f].pool_dtype), dtype_name(formats[f].q_out_dtype),
+                       kv_layout_name(formats[f].kv_layout), (long long)formats[f].page_size);
+        BenchConfig c = with_format(cfg, formats[f]);
+        c.iters = cfg.iters > 0 ? (cfg.iters + rounds - 1) / rounds : 0;
+        c.seconds = cfg.seconds / double(rounds);
+        TokenResult r = run_tokens(c, T, rotate_bytes);
+        r.format = formats[f];
+        if (round > 0) r.samples.insert(r.samples.begin(), acc.samples.begin(), acc.samples.end());
+        acc = std::move(r);
+      }
+    for (TokenResult& r : at_t) {
+      r.calls = int64_t(r.samples.size());
+      r.seconds = percentiles(r.samples);
+      r.gbps = r.samples.empty() ? 0 : r.bytes_per_call / r.seconds.median * 1e-9;
+      all_ok = all_ok && r.ok();
+      if (r.ok())
+        std::fprintf(stderr, "%s T=%lld: median %.2f us, %.2f GB/s\n", stage_prefix, (long long)T,
+                     r.seconds.median * 1e6, r.gbps);
+      results.push_back(std::move(r));
+    }
   }
 
   std::fprintf(stderr, "%s memcpy anchor again\n", stage_prefix);
@@ -672,10 +771,24 @@ int run_bench(Args& args) {
         2.0 * double(copy_bytes) / c->seconds.p90 * 1e-9,
         2.0 * double(copy_bytes) / c->seconds.p10 * 1e-9);
   std::printf("the memcpy column is GB/s over the faster of the two (%.2f GB/s)\n\n", copy.gbps);
+  // With several formats, each row starts with its format.
+  const bool format_columns = formats.size() > 1;
+  auto print_format = [&](const TokenResult& r) {
+    if (format_columns)
+      std::printf("%-14s %-14s %-4s %4lld ", dtype_name(r.format.pool_dtype),
+                  dtype_name(r.format.q_out_dtype), kv_layout_name(r.format.kv_layout),
+                  (long long)r.format.page_size);
+  };
+  if (format_columns)
+    std::printf("%-14s %-14s %-4s %4s ", "pools", "q_rot", "kv", "page");
   std::printf("%7s %10s %5s %7s %11s %11s %11s %10s %8s %7s  %s\n", "tokens", "pool_slots", "sets",
               "calls", "median_us", "p10_us", "p90_us", "MB/call", "GB/s", "memcpy", "check");
-  for (TokenResult& r : results) {
-    r.copy_ratio = r.gbps / copy.gbps;
+  for (TokenResult& r : results) r.copy_ratio = r.gbps / copy.gbps;
+  for (size_t i = 0; i < results.size(); ++i) {
+    TokenResult& r = results[i];
+    // the first format's row of the same T (results come in blocks of the formats, per T)
+    const TokenResult& first = results[i / formats.size() * formats.size()];
+    print_format(r);
     const double worst = std::max(r.q_check.worst, r.k_check.worst);
     char check[64];
     if (r.tokens == 0)
@@ -683,10 +796,13 @@ int run_bench(Args& args) {
     else
       std::snprintf(check, sizeof check, "ok, max err %.2f of bound", worst);
     if (r.ok()) {
-      std::printf("%7lld %10lld %5lld %7lld %11.2f %11.2f %11.2f %10.3f %8.2f %6.0f%%  %s\n",
+      std::printf("%7lld %10lld %5lld %7lld %11.2f %11.2f %11.2f %10.3f %8.2f %6.0f%%  %s",
                   (long long)r.tokens, (long long)r.pool_slots, (long long)r.sets,
                   (long long)r.calls, r.seconds.median * 1e6, r.seconds.p10 * 1e6,
                   r.seconds.p90 * 1e6, r.bytes_per_call * 1e-6, r.gbps, r.copy_ratio * 100, check);
+      if (format_columns && &first != &r && first.ok() && first.gbps > 0)
+        std::printf("; %.2fx the first format's share", r.gbps / first.gbps);
+      std::printf("\n");
     } else {
       std::printf("%7lld %10lld %5lld %7s %11s %11s %11s %10.3f %8s %7s  FAILED\n",
                   (long long)r.tokens, (long long)r.pool_slots, (long long)r.sets, "-", "-", "-",
