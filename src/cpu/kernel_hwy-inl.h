@@ -601,11 +601,23 @@ HWY_INLINE hn::Vec<DU8> ToE4M3(DF df, VF v20) { return hn::TruncateTo(DU8(), E4M
 // 2^107 may not, but both are e4m3 0 or 448 either way (of the same sign; NaN stays NaN). A
 // scale below 2^-106 (where scale * 2^-20 would not be a normal float32) divides first and
 // multiplies by 2^20 after.
+//
+// A scale 2^-k with k in [-119, 115] also gives the bfloat16 rows (v, MLA's kv_c) their codes
+// on 16-bit lanes, twice as many per vector, from the bits alone (BF16E4M3Codes): x / scale is
+// then x * 2^k exactly, a bfloat16 with k added to its exponent, so its code is its magnitude
+// bits rounded to 3 mantissa bits (to nearest even) with the exponent rebiased. The range of k
+// keeps 448 * scale and 2^-6 * scale normal bfloat16 numbers and every bfloat16 subnormal x
+// below half of e4m3's least subnormal after the scale.
 struct Divisor {
   float scale = 1.0f;
   float divisor20 = 1.0f / kE4M3Pre, reciprocal20 = kE4M3Pre;  // scale * 2^-20, 2^20 / scale
   bool exact_reciprocal = true;
   bool folded = true;  // divisor20 and reciprocal20 are exact
+  bool bf16_bits = false;   // BF16E4M3Codes applies (the constants below are set)
+  uint16_t bf16_max = 0;     // bits of 448 * scale: larger magnitudes saturate to 448
+  uint16_t bf16_normal = 0;  // bits of 2^-6 * scale: smaller ones are e4m3 subnormals
+  uint16_t bf16_bias = 0;    // 7 + (k - 120) * 2^7 modulo 2^16: rounding and exponent rebias
+  uint16_t bf16_shift0 = 0;  // 125 - k: a subnormal's shift is this minus its exponent field
   explicit Divisor(float s) : scale(s) {
     const float reciprocal = 1.0f / s;
     exact_reciprocal = std::isfinite(reciprocal) && reciprocal != 0.0f &&
@@ -613,6 +625,14 @@ struct Divisor {
     folded = s >= 0x1p-106f;
     divisor20 = s / kE4M3Pre;
     reciprocal20 = reciprocal * kE4M3Pre;
+    const int k = 127 - int((float_bits(s) >> 23) & 0xffu);  // s = 2^-k when exact_reciprocal
+    bf16_bits = exact_reciprocal && k >= -119 && k <= 115;
+    if (bf16_bits) {
+      bf16_max = uint16_t(((135 - k) << 7) | 0x60);  // 448 = 1.75 * 2^8
+      bf16_normal = uint16_t((121 - k) << 7);
+      bf16_bias = uint16_t(7 + (k - 120) * 128);
+      bf16_shift0 = uint16_t(125 - k);
+    }
   }
 };
 
@@ -787,14 +807,72 @@ HWY_INLINE void StoreE4M3Full(VU16 lower, VU16 upper, uint8_t* p, bool stream) {
   hn::StoreU(bytes, DU8Full(), p);
 }
 
-// QuantizeRow for a bfloat16 row (v): 4N elements per step through the even/odd split (the
-// stores non-temporal where `stream` and `out` is vector-aligned), then 2N, then the rest.
+// The e4m3 codes of 2N bfloat16 values h divided by the Divisor's scale 2^-k (d.bf16_bits), on
+// 16-bit lanes, in memory order (bytes 2j and 2j + 1 of the result are the codes of h's lanes 2j
+// and 2j + 1). With a = |h|'s bits (exponent field E, 7 mantissa bits):
+// - a normal e4m3 result (a at least the bits of 2^-6 * scale): a, clamped to the bits of
+//   448 * scale (infinities too), plus 7, plus its lowest kept bit (bit 4), plus the exponent
+//   rebias, shifted right by 4: the code, rounded to nearest even, carries and all;
+// - below that, an e4m3 subnormal (rare, so only computed when a lane needs it): the
+//   significand 2^7 + mantissa times 2^(E + k - 125), i.e. shifted right by 125 - k - E (5 or
+//   more; capped at 15, which gives 0 all the same), rounded to nearest even: add half the
+//   shifted-out weight less one and the result's lowest bit before shifting. A bfloat16
+//   subnormal (E = 0) or zero takes the same formula; k <= 115 makes its code 0, as it is;
+// - NaN: 0x7f; then h's sign at bit 7.
+// (Highway 1.0.3's 16-bit variable shift does not compile for SSSE3: that target keeps the
+// even/odd path.)
+#undef ROPEPOOL_BF16_E4M3_LANES  // defined once per target
+#if HWY_TARGET != HWY_SSSE3
+#define ROPEPOOL_BF16_E4M3_LANES 1
+// The Divisor's constants come as vectors (max, bias, normal, shift0: d.bf16_max ...), set
+// once per row: the byte stores of the codes may alias the Divisor, so its fields would be
+// loaded and broadcast again for every vector.
+using VU16Full = hn::Vec<DU16Full>;
+HWY_INLINE VU16 BF16E4M3Codes(VU16Full h, VU16Full max, VU16Full bias, VU16Full normal,
+                              VU16Full shift0) {
+  const DU16Full du16;
+  const auto a = hn::And(h, hn::Set(du16, 0x7fff));
+  const auto c = hn::Min(a, max);
+  auto code =
+      hn::ShiftRight<4>(hn::Add(hn::Add(c, bias), hn::And(hn::ShiftRight<4>(c), hn::Set(du16, 1))));
+  const auto small = hn::Lt(a, normal);
+  if (HWY_UNLIKELY(!hn::AllFalse(du16, small))) {
+    const auto sig = hn::OrAnd(hn::Set(du16, 0x80), a, hn::Set(du16, 0x7f));
+    const auto shift = hn::Min(hn::Sub(shift0, hn::ShiftRight<7>(a)), hn::Set(du16, 15));
+    const auto half_less_one = hn::Shr(hn::Set(du16, 0x7fff), hn::Sub(hn::Set(du16, 16), shift));
+    const auto odd = hn::And(hn::Shr(sig, shift), hn::Set(du16, 1));
+    code = hn::IfThenElse(small, hn::Shr(hn::Add(hn::Add(sig, half_less_one), odd), shift), code);
+  }
+  code = hn::IfThenElse(hn::Gt(a, hn::Set(du16, 0x7f80)), hn::Set(du16, 0x7f), code);
+  code = hn::OrAnd(code, hn::ShiftRight<8>(h), hn::Set(du16, 0x80));
+  return hn::BitCast(DU16(), hn::TruncateTo(hn::Rebind<uint8_t, DU16Full>(), code));
+}
+#endif
+
+// QuantizeRow for a bfloat16 row (v, MLA's kv_c): 4N elements per step, on 16-bit lanes
+// (BF16E4M3Codes) where the scale allows, else through the even/odd split (the stores
+// non-temporal where `stream` and `out` is vector-aligned), then 2N, then the rest (scalar).
 HWY_INLINE void QuantizeRowBF16(const uint16_t* in, uint8_t* out, int64_t n, const Divisor& d,
                                 bool stream) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   stream = stream && Aligned(out, size_t(4 * N));
   int64_t i = 0;
+#ifdef ROPEPOOL_BF16_E4M3_LANES
+  if (d.bf16_bits) {
+    const DU16Full du16;
+    const auto max = hn::Set(du16, d.bf16_max), bias = hn::Set(du16, d.bf16_bias);
+    const auto normal = hn::Set(du16, d.bf16_normal), shift0 = hn::Set(du16, d.bf16_shift0);
+    for (; i + 4 * N <= n; i += 4 * N)
+      StoreE4M3Full(BF16E4M3Codes(hn::LoadU(du16, in + i), max, bias, normal, shift0),
+                    BF16E4M3Codes(hn::LoadU(du16, in + i + 2 * N), max, bias, normal, shift0),
+                    out + i, stream);
+    for (; i + 2 * N <= n; i += 2 * N)
+      StoreE4M3Half(BF16E4M3Codes(hn::LoadU(du16, in + i), max, bias, normal, shift0), out + i);
+    QuantizeRow<BFloat16>(in + i, out + i, n - i, d);
+    return;
+  }
+#endif
   auto codes = [&](int64_t at) {
     VF even, odd;
     LoadBF16EvenOdd(in + at, even, odd);

@@ -13,7 +13,8 @@
 //                           against ropepool::float_to_e4m3: every rounding boundary of every
 //                           code (midpoints and their float32 neighbours), saturation, NaN,
 //                           subnormals, with several scales, and every 256th float32 pattern;
-//                           every bfloat16 pattern through the bf16 row path (v rows).
+//                           every bfloat16 pattern through the bf16 row path (v rows) with
+//                           every power-of-two scale and some others.
 //   Fp8KPoolIsTheRotation   bfloat16 k heads into fp8 pools: the pool row is e4m3 of the
 //                           float32 rotation bit for bit (the same call in float32 gives that
 //                           rotation as k_rot), whole (even, odd) chunks or not.
@@ -396,11 +397,15 @@ void e4m3_on_every_boundary(const char* target) {
         ADD_FAILURE() << "e4m3 of bits 0x" << std::hex << float_bits(sweep[i]) << " = 0x"
                       << int(out[i]) << ", want 0x" << int(float_to_e4m3(sweep[i]));
   }
-  // every bfloat16 pattern through the bf16 row (even/odd split on vector targets)
+  // every bfloat16 pattern through the bf16 row (on vector targets the even/odd split, or
+  // 16-bit lanes with a power-of-two scale 2^-k, k in [-119, 115]): with every power-of-two
+  // scale, normal and subnormal, and some others
   std::vector<uint16_t> all16(1 << 16);
   std::iota(all16.begin(), all16.end(), 0);
   out.resize(all16.size());
-  for (float scale : {1.0f, 0x1p-6f, 0.3f, 3.0f, 1.0f / 448.0f, 1e20f, 0x1p-107f, 1e-33f, 0x1p-120f}) {
+  std::vector<float> scales = {0.3f, 3.0f, 1.0f / 448.0f, 1e20f, 1e-33f, 0x1.fffffep127f};
+  for (int e = -149; e <= 127; ++e) scales.push_back(std::ldexp(1.0f, e));
+  for (float scale : scales) {
     // rows of many lengths, so whole vectors, half vectors and the scalar tail all run
     for (size_t at = 0, len = 1; at < all16.size(); at += len, len = len % 97 + 13)
       detail::cpu::quantize_e4m3_bf16_row_hwy(all16.data() + at, out.data() + at,
