@@ -1103,7 +1103,34 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
            head * r.head_stride;
   };
   const int64_t page_size = p.page_size;
+  // Pool rows land at random slots, so nearly every 4 KiB page a row lies in costs a page walk
+  // (a nested one in a VM): per token one or two per pool for [P, Hk, D] and NHD pools, one
+  // per head with HND (its heads are page_size rows apart). Touching one line of every page
+  // the next kPoolTouchBatch tokens will write, in one go, lets those walks overlap instead of
+  // stalling the stores one token at a time. (Streamed rows are then overwritten whole.)
+  constexpr int64_t kPoolTouchBatch = 16;
+  const int64_t kv_begin = std::max(block.head_begin, Hq) - Hq, kv_end = block.head_end - Hq;
+  const size_t pool_es = kQuant && fp8_pool ? 1 : sizeof(T);
+  int64_t touched_end = block.token_begin;  // pool rows of tokens below this were touched
+  auto touch_pool_rows = [&](int64_t t0) {
+    touched_end = std::min(block.token_end, t0 + kPoolTouchBatch);
+    for (int64_t u = t0; u < touched_end; ++u) {
+      int64_t slot = p.slots[u];
+      if (slot < 0 || (plan.pool_write_superseded && plan.pool_write_superseded[u])) continue;
+      const int64_t pg = page_size == 1 ? slot : slot / page_size, pg_row = slot - pg * page_size;
+      for (const PoolRows* pool : {&p.k_pool, &p.v_pool}) {
+        uintptr_t last_page = 0;
+        for (int64_t kv = kv_begin; kv < kv_end; ++kv) {
+          const char* at = PoolRow(*pool, pg, pg_row, kv, pool_es);
+          if ((reinterpret_cast<uintptr_t>(at) >> 12) == last_page) continue;
+          last_page = reinterpret_cast<uintptr_t>(at) >> 12;
+          hwy::Prefetch(at);
+        }
+      }
+    }
+  };
   for (int64_t t = block.token_begin; t < block.token_end; ++t) {
+    if (kv_begin < kv_end && t >= touched_end) touch_pool_rows(t);
     if (axis_of) {
       const double pos3[3] = {double(pos_rows[0][t]), double(pos_rows[1][t]),
                               double(pos_rows[2][t])};
