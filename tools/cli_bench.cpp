@@ -127,10 +127,10 @@ struct InputSet {
 // One cache format of a run (SPEC §6): every combination of the --pool-dtype, --q-out-dtype,
 // --kv-layout and --page-size lists.
 struct Format {
-  DType pool_dtype = DType::Other;   // Other: --dtype
-  DType q_out_dtype = DType::Other;  // Other: --dtype
+  DType pool_dtype = DType::Other;   // as resolved: --dtype for `same`, or float8_e4m3fn
+  DType q_out_dtype = DType::Other;  // likewise
   KvLayout kv_layout = KvLayout::None;
-  int64_t page_size = 1;
+  int64_t page_size = 1;             // 1 for a [P, Hk, D] pool
 };
 
 struct TokenResult {

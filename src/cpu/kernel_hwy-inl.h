@@ -1115,7 +1115,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
   auto touch_pool_rows = [&](int64_t t0) {
     touched_end = std::min(block.token_end, t0 + kPoolTouchBatch);
     for (int64_t u = t0; u < touched_end; ++u) {
-      int64_t slot = p.slots[u];
+      const int64_t slot = p.slots[u];
       if (slot < 0 || (plan.pool_write_superseded && plan.pool_write_superseded[u])) continue;
       const int64_t pg = page_size == 1 ? slot : slot / page_size, pg_row = slot - pg * page_size;
       for (const PoolRows* pool : {&p.k_pool, &p.v_pool}) {
