@@ -1103,6 +1103,18 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
            head * r.head_stride;
   };
   const int64_t page_size = p.page_size;
+  // The slot token t writes (-1: none, or a later token of the call writes the same slot), and
+  // a slot's page and row in it (SPEC §6 paging; 3-D pools: page_size 1, no division).
+  auto written_slot = [&](int64_t t) -> int64_t {
+    return plan.pool_write_superseded && plan.pool_write_superseded[t] ? -1 : p.slots[t];
+  };
+  auto page_of = [page_size](int64_t slot, int64_t& page, int64_t& page_row) {
+    page = slot, page_row = 0;
+    if (page_size != 1 && slot >= 0) {
+      page = slot / page_size;
+      page_row = slot - page * page_size;
+    }
+  };
   // Pool rows land at random slots, so nearly every 4 KiB page a row lies in costs a page walk
   // (a nested one in a VM): per token one or two per pool for [P, Hk, D] and NHD pools, one
   // per head with HND (its heads are page_size rows apart). Touching one line of every page
@@ -1115,9 +1127,10 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
   auto touch_pool_rows = [&](int64_t t0) {
     touched_end = std::min(block.token_end, t0 + kPoolTouchBatch);
     for (int64_t u = t0; u < touched_end; ++u) {
-      const int64_t slot = p.slots[u];
-      if (slot < 0 || (plan.pool_write_superseded && plan.pool_write_superseded[u])) continue;
-      const int64_t pg = page_size == 1 ? slot : slot / page_size, pg_row = slot - pg * page_size;
+      const int64_t slot = written_slot(u);
+      if (slot < 0) continue;
+      int64_t pg, pg_row;
+      page_of(slot, pg, pg_row);
       for (const PoolRows* pool : {&p.k_pool, &p.v_pool}) {
         uintptr_t last_page = 0;
         for (int64_t kv = kv_begin; kv < kv_end; ++kv) {
@@ -1180,8 +1193,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
           RotateRow<E>(x, out, out2, cos_t, sin_t, R, D, stream);
       }
     };
-    int64_t slot = p.slots[t];
-    if (plan.pool_write_superseded && plan.pool_write_superseded[t]) slot = -1;
+    const int64_t slot = written_slot(t);
     // SPEC §7: a normalised head is rotated from the scratch row. First the sums of
     // squares of all the block's normalised heads of the token (independent, so they
     // overlap, and so do their square roots and divisions), then head by head the second
@@ -1216,12 +1228,8 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
       NormApply<E>(x, normed.data(), norm_w.data() + which * D, r, D, p.norm_gemma);
       return normed.data();
     };
-    // SPEC §6 paging (3-D pools: page_size 1, no division)
-    int64_t page = slot, page_row = 0;
-    if (page_size != 1 && slot >= 0) {
-      page = slot / page_size;
-      page_row = slot - page * page_size;
-    }
+    int64_t page, page_row;
+    page_of(slot, page, page_row);
     for (int64_t h = block.head_begin; h < block.head_end; ++h) {
       if (h < Hq) {
         const T* x = q_norm ? norm(row(p.q, t, h), 0, h) : row(p.q, t, h);

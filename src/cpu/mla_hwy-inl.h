@@ -254,7 +254,7 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
       if (slot < 0) continue;
       uint8_t* dst = stream ? row_stage : cache_row(slot);
 #if HWY_TARGET != HWY_SCALAR
-      if constexpr (std::is_same_v<E, BFloat16>)
+      if constexpr (kBF16)
         QuantizeRowBF16(kv, dst, L, div, false);
       else
 #endif
