@@ -283,19 +283,28 @@ __device__ __forceinline__ float fp8_quotient(float x, const Fp8Divisor& d) {
   return fabsf(q0) <= 4096.0f ? q2 : q0;
 }
 
+/// A finite, nonzero power-of-two scale: s = r = +-1. Every other prepared scale has s != r
+/// (r = RN(1 / s) lies in (1/2, 1) for s in (1, 2); zero gives r = inf, infinity r = 0, NaN is
+/// unequal to itself). For such a scale fp8_quotient's residuals are zero, so its Newton steps
+/// return q0 = x * p1 * p2 * r unchanged: the quotient is that product alone (vLLM's and
+/// sglang's default scale 1.0 among them).
+__device__ __forceinline__ bool fp8_power_of_two(const Fp8Divisor& d) { return d.s == d.r; }
+
 /// e4m3fn bytes of x[i] / scale, i < kN, packed little-endian: the quotient in float32 as IEEE
-/// round-to-nearest division gives it (fp8_quotient), then e4m3x2. Every result keeps the sign
+/// round-to-nearest division gives it (fp8_quotient; kPow2: the product of fp8_power_of_two,
+/// the same float), then e4m3x2. Every result keeps the sign
 /// of the exact quotient (sign(x) ^ sign(scale)): a no-op for numbers (the conversion keeps
 /// it), and NaN keeps its sign for a positive scale, as ropepool::float_to_e4m3(x / scale) does
 /// on the host (the GPU returns one canonical NaN).
-template <int kN>
+template <int kN, bool kPow2 = false>
 __device__ __forceinline__ uint32_t e4m3_quotient(const float* x, const Fp8Divisor& d) {
   static_assert(kN == 1 || kN == 2 || kN == 4, "up to 4 bytes per word");
   const uint32_t scale_sign = __float_as_uint(d.s);
   uint32_t bytes = 0, signs = 0;
+  const auto quotient = [&](float v) { return kPow2 ? v * d.p1 * d.p2 * d.r : fp8_quotient(v, d); };
 #pragma unroll
   for (int i = 0; i < kN; i += 2) {
-    const float lo = fp8_quotient(x[i], d), hi = kN > 1 ? fp8_quotient(x[i + 1], d) : 0.0f;
+    const float lo = quotient(x[i]), hi = kN > 1 ? quotient(x[i + 1]) : 0.0f;
     bytes |= e4m3x2(lo, hi) << (8 * i);
   }
 #pragma unroll
@@ -310,10 +319,17 @@ struct Fp8IO {
   using Raw = std::conditional_t<kVec == 8, uint2, std::conditional_t<kVec == 4, uint32_t, uint8_t>>;
   static_assert(kVec == 8 || kVec == 4 || kVec == 1, "e4m3 accesses of 8, 4 or 1 bytes");
 
+  /// One branch per access (warp-uniform: every lane has the call's scale): a power-of-two
+  /// scale skips the Newton steps (fp8_power_of_two).
   static __device__ __forceinline__ Raw quantize(const float (&f)[kVec], const Fp8Divisor& d) {
-    if constexpr (kVec == 8) return make_uint2(e4m3_quotient<4>(f, d), e4m3_quotient<4>(f + 4, d));
-    else if constexpr (kVec == 4) return e4m3_quotient<4>(f, d);
-    else return uint8_t(e4m3_quotient<1>(f, d));
+    return fp8_power_of_two(d) ? quantize_as<true>(f, d) : quantize_as<false>(f, d);
+  }
+  template <bool kPow2>
+  static __device__ __forceinline__ Raw quantize_as(const float (&f)[kVec], const Fp8Divisor& d) {
+    if constexpr (kVec == 8)
+      return make_uint2(e4m3_quotient<4, kPow2>(f, d), e4m3_quotient<4, kPow2>(f + 4, d));
+    else if constexpr (kVec == 4) return e4m3_quotient<4, kPow2>(f, d);
+    else return uint8_t(e4m3_quotient<1, kPow2>(f, d));
   }
   static __device__ __forceinline__ void store(uint8_t* p, Raw r) {
     if constexpr (kVec == 8) {

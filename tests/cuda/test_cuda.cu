@@ -1811,11 +1811,15 @@ __global__ void e4m3_quotients(const float* x, const float* scales, int per_scal
 
 /// Every float32 x over one scale: the kernels' quotient (fp8_quotient with fp8_divisor) against
 /// IEEE division (__fdiv_rn). Counts e4m3 bytes that differ (e4m3_quotient<1> against the
-/// conversion of the IEEE quotient with the same sign rule) and, where the quotient decides
-/// the e4m3 result (2^-11 <= |x / scale| <= 2^11), float32 quotients that differ in any bit.
+/// conversion of the IEEE quotient with the same sign rule; for a scale that fp8_power_of_two
+/// accepts, its product path as well) and, where the quotient decides the e4m3 result
+/// (2^-11 <= |x / scale| <= 2^11), float32 quotients that differ in any bit. *power_of_two:
+/// what fp8_power_of_two says of the scale.
 __global__ void e4m3_division_every_float(float scale, uint64_t begin, uint64_t end, unsigned long long* bad,
-                                          unsigned* first_bad) {
+                                          unsigned* first_bad, unsigned* power_of_two) {
   const cuda::Fp8Divisor d = cuda::fp8_divisor(scale);
+  const bool pow2 = cuda::fp8_power_of_two(d);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *power_of_two = pow2;
   for (uint64_t u = begin + uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < end;
        u += uint64_t(gridDim.x) * blockDim.x) {
     const float x = __uint_as_float(uint32_t(u));
@@ -1823,10 +1827,11 @@ __global__ void e4m3_division_every_float(float scale, uint64_t begin, uint64_t 
     const uint32_t sign = ((uint32_t(u) ^ __float_as_uint(scale)) >> 31) << 7;
     const uint32_t want = (cuda::e4m3x2(want_q, 0.0f) & 0xffu) | sign;
     const uint32_t got = cuda::e4m3_quotient<1>(&x, d);
+    const uint32_t got_product = pow2 ? cuda::e4m3_quotient<1, true>(&x, d) : want;
     const float aq = fabsf(want_q);
     const bool q_differs = aq >= 0x1p-11f && aq <= 2048.0f &&
                            __float_as_uint(cuda::fp8_quotient(x, d)) != __float_as_uint(want_q);
-    if (got != want || q_differs) {
+    if (got != want || got_product != want || q_differs) {
       const unsigned long long n = atomicAdd(bad, 1ull);
       if (n == 0) *first_bad = uint32_t(u);
     }
@@ -1840,23 +1845,31 @@ void test_e4m3_division(Rng& rng) {
   std::vector<float> scales = {1.0f, 0.5f, 0.25f, 1.0f / 3.0f, 0.0375f, 448.0f / 1e6f, 7.0f, 1.1f,
                                std::nextafter(2.0f, 0.0f), std::nextafter(1.0f, 2.0f), 0x1p-64f, 0x1p64f,
                                0x1.fffffep-65f, 0x1.000002p64f, 1e-30f, 1e30f, FLT_MIN, FLT_MAX,
-                               std::nextafter(0.0f, 1.0f), 0x1.234p-140f, 0x1.fffffcp-127f, 0.0f, -0.0f,
-                               INFINITY, -INFINITY, NAN, -0.7f};
+                               std::nextafter(0.0f, 1.0f), 0x1p-149f, 0x1p-127f, 0x1p127f, 0x1.234p-140f,
+                               0x1.fffffcp-127f, 0.0f, -0.0f, INFINITY, -INFINITY, NAN, -0.7f, -2.0f};
   const int extra = g_sanitize ? 0 : 13;
   for (int i = 0; i < extra; ++i) scales.push_back(std::ldexp(1.0f + float(rng.unit()), int(rng.integer(-20, 20))));
   // Under the sanitizer: 2^20 patterns from the e4m3 range up, both signs.
   std::vector<std::pair<uint64_t, uint64_t>> ranges = {{0, uint64_t(1) << 32}};
   if (g_sanitize) ranges = {{0x3a800000u, 0x3a900000u}, {0xbf800000u, 0xbf900000u}};
-  DeviceBuffer d_bad(8), d_first(4);
-  int failing = 0;
+  DeviceBuffer d_bad(8), d_first(4), d_pow2(4);
+  int failing = 0, pow2_wrong = 0, pow2_scales = 0;
   std::string first;
   for (float s : scales) {
     ROPEPOOL_CUDA_OK(cudaMemset(d_bad.ptr, 0, 8));
     ROPEPOOL_CUDA_OK(cudaMemset(d_first.ptr, 0, 4));  // written only on a mismatch
+    ROPEPOOL_CUDA_OK(cudaMemset(d_pow2.ptr, 0xff, 4));
     for (auto [b, e] : ranges)
       e4m3_division_every_float<<<4096, 256>>>(s, b, e, static_cast<unsigned long long*>(d_bad.ptr),
-                                               static_cast<unsigned*>(d_first.ptr));
+                                               static_cast<unsigned*>(d_first.ptr),
+                                               static_cast<unsigned*>(d_pow2.ptr));
     const Mismatches m = read_mismatches(d_bad, d_first, 1);
+    unsigned pow2 = 0;
+    ROPEPOOL_CUDA_OK(cudaMemcpy(&pow2, d_pow2.ptr, 4, cudaMemcpyDeviceToHost));
+    int exponent = 0;
+    const bool want_pow2 = std::isfinite(s) && s != 0.0f && std::fabs(std::frexp(s, &exponent)) == 0.5f;
+    pow2_scales += want_pow2;
+    pow2_wrong += pow2 != unsigned(want_pow2);
     if (m.n != 0 && failing++ == 0) {
       char b[160];
       std::snprintf(b, sizeof b, "; first: scale %a, %llu x differ, e.g. x = 0x%08x", double(s), m.n, m.first[0]);
@@ -1869,6 +1882,10 @@ void test_e4m3_division(Rng& rng) {
                            std::to_string(failing) + " scales differ" + first;
   expect(failing == 0, what);
   std::printf("  %-4s %s\n", failing == 0 ? "ok" : "FAIL", what.c_str());
+  const std::string which = "fp8_power_of_two on the same scales (" + std::to_string(pow2_scales) +
+                            " finite nonzero powers of two): " + std::to_string(pow2_wrong) + " wrong";
+  expect(pow2_wrong == 0 && pow2_scales >= 8, which);
+  std::printf("  %-4s %s\n", pow2_wrong == 0 ? "ok" : "FAIL", which.c_str());
 }
 
 void test_e4m3_conversion(Rng& rng) {
