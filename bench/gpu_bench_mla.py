@@ -8,7 +8,7 @@ Workload (SPEC §8; DeepSeek-V3 config.json: qk_rope_head_dim 64, kv_lora_rank 5
 rope_theta 10000, yarn factor 40 from 4096, beta 32/1, mscale = mscale_all_dim = 1.0):
 bfloat16 q [T, H, 192] with q_pe its last 64 columns, kv [T, 576] with kv_c and k_pe its
 column slices, H = 128 (one rank of a TP-1 run) and 16 (TP-8), a token cache [262144, 576] in
-bfloat16 or float8_e4m3fn (kv_scale 0.5); inputs uniform in [-4, 4); int32 positions random
+bfloat16 or float8_e4m3fn (kv_scale 0.5, or --kv-scale); inputs uniform in [-4, 4); int32 positions random
 below 2^17; int32 slots: T distinct rows of the cache, slices of a random permutation.
 
 Contenders, all computing the same function:
@@ -93,6 +93,9 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
     p.add_argument("--no-flashinfer", action="store_true",
                    help="leave FlashInfer out even where it imports")
+    p.add_argument("--kv-scale", type=float, default=0.5,
+                   help="the fp8 cache's scale (0.5, a power of two, skips the division's Newton "
+                   "steps in ropepool's kernel; try 0.37 for the general case)")
     p.add_argument("--seed", type=int, default=20240601)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
@@ -160,7 +163,7 @@ class MlaWorkload:
                                        dtype=torch.int32)
         self.slots = distinct_slots(self.P, T, self.n_sets, gen, device)
         self.cache = uniform(self.P, L + R).to(cache_dtype)
-        self.scale = 0.5 if cache_dtype == FP8 else None
+        self.scale = args.kv_scale if cache_dtype == FP8 else None
         self.inv_freq64 = torch.tensor(SCHEDULE.inv_freq, dtype=torch.float64, device=device)
         self.cursor = 0
 
@@ -190,7 +193,7 @@ class MlaWorkload:
         ckv and kpe the column views [:, :, :512] and [:, :, 512:] of the cache as
         [P, 1, 576]: bf16 append_paged_mla_kv_cache(kv_c, k_pe_rot); fp8
         rope_quantize_fp8_append_paged_kv_cache with no q heads (q_pe[:, :0]; k_pe rotated
-        again from its input, kv_c, kv_scale as the multiplier 1 / 0.5; PDL on). Its own bytes
+        again from its input, kv_c, kv_scale as the multiplier 1 / kv_scale; PDL on). Its own bytes
         go to self.fi_bytes."""
         T, H, P, dev = self.T, self.H, self.P, self.device
         cos_sin = flashinfer_cos_sin_cache(self.inv_freq64, 1 << 17, SCHEDULE.attention_scaling)

@@ -13,6 +13,7 @@
 #   GPU_CHECK_PROFILE_TOKENS="1 256" ...           # its token counts (default 1 64 4096 65536)
 #   GPU_CHECK_BENCHES="py mla" ...  # which benchmarks step 6 runs (default: cpp py mla), so
 #                                   # that the long ones can go in separate calls
+#   GPU_BENCH_CPP_ARGS="--pools --tokens 1,4096" ...   # arguments of the C++ benchmark
 #   GPU_BENCH_ARGS="--tokens 1 --cache-tokens ''" ...  # extra arguments of bench/gpu_bench.py
 #   GPU_BENCH_MLA_ARGS="--heads 128" ...               # and of bench/gpu_bench_mla.py
 #
@@ -249,7 +250,7 @@ else
   BENCHES=" ${GPU_CHECK_BENCHES:-cpp py mla} "
   if [ -x "$CUDA_BENCH" ] && [[ $BENCHES == *" cpp "* ]]; then
     # The kernel alone from C++ (no Python), with and without PDL.
-    run_step "CUDA C++ bench (bench/cuda)" "$LOGS/selftest.log" 300 "$CUDA_BENCH"
+    run_step "CUDA C++ bench (bench/cuda)" "$LOGS/selftest.log" 300 "$CUDA_BENCH" ${GPU_BENCH_CPP_ARGS:-}
   fi
   if [ "$PIP_RC" = 0 ]; then
     # The main table, the cache formats (§6) and the fusions (§7, with a torch.compile build

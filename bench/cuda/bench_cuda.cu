@@ -12,7 +12,8 @@
 //          in src/cuda/rope_pool_cuda.cu.
 // --pools  also the SPEC §6 caches: fp8 e4m3 pools (scale values and device pointers), fp8
 //          q_out, NHD and HND pools of page size 1, 16 and 64, beside the [P, Hk, D] bf16 pool
-//          of the same run; bytes counted at each tensor's element size.
+//          of the same run; bytes counted at each tensor's element size. The fp8 cases run
+//          with scales that are not powers of two, and three of them again with powers of two.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -65,12 +66,20 @@ struct PoolSpec {
   int64_t page_size = 1;
   bool fp8_pool = false, fp8_q = false;
   bool scale_ptrs = false;  ///< scales as device float32 (read by the kernel) instead of values
+  /// Scales 0.5 / 0.25 / 0.125 (k, v, q: powers of two, which skip the division's Newton
+  /// steps) instead of 0.05 / 0.0375 / 0.02.
+  bool pow2_scales = false;
+  const float* scale_values() const {
+    static const float pow2[3] = {0.5f, 0.25f, 0.125f}, other[3] = {0.05f, 0.0375f, 0.02f};
+    return pow2_scales ? pow2 : other;
+  }
   std::string name() const {
     std::string n = layout == Flat ? "[P,Hk,D]" : layout == NHD ? "NHD" : "HND";
     if (layout != Flat) n += " ps=" + std::to_string(page_size);
     n += fp8_pool ? " fp8" : " bf16";
     if (fp8_pool) n += scale_ptrs ? " (scale ptrs)" : " (scale values)";
     if (fp8_q) n += ", q_out fp8";
+    if ((fp8_pool || fp8_q) && pow2_scales) n += ", 2^-k scales";
     return n;
   }
 };
@@ -108,9 +117,8 @@ struct Workload {
     // An fp8 pool: half as many bf16 elements of filler (any bytes will do).
     k_pool = filled(P * Hk * D / (pool.fp8_pool ? 2 : 1)), v_pool = filled(P * Hk * D / (pool.fp8_pool ? 2 : 1));
     q_out = std::make_unique<DeviceBuffer>(size_t(rows * Hq * D) * (pool.fp8_q ? 1 : 2));
-    const float scale_values[3] = {0.05f, 0.0375f, 0.02f};  // k, v, q: not powers of two
-    scales = std::make_unique<DeviceBuffer>(sizeof scale_values);
-    ROPEPOOL_CUDA_OK(cudaMemcpy(scales->ptr, scale_values, sizeof scale_values, cudaMemcpyHostToDevice));
+    scales = std::make_unique<DeviceBuffer>(3 * sizeof(float));
+    ROPEPOOL_CUDA_OK(cudaMemcpy(scales->ptr, pool.scale_values(), 3 * sizeof(float), cudaMemcpyHostToDevice));
     k_out = std::make_unique<DeviceBuffer>(size_t(rows * Hk * D) * 2);
     std::vector<int32_t> h_pos(static_cast<size_t>(rows)), h_slots(static_cast<size_t>(rows)),
         perm(static_cast<size_t>(P));
@@ -156,7 +164,7 @@ struct Workload {
     p.pool_dtype = pool.fp8_pool ? DType::Float8E4M3FN : dtype;
     p.q_out_dtype = pool.fp8_q ? DType::Float8E4M3FN : dtype;
     const float* sp = static_cast<const float*>(scales->ptr);
-    const float values[3] = {0.05f, 0.0375f, 0.02f};
+    const float* values = pool.scale_values();
     detail::Scale* s3[3] = {&p.k_scale, &p.v_scale, &p.q_scale};
     for (int j = 0; j < 3; ++j) *s3[j] = pool.scale_ptrs ? detail::Scale{1.0f, sp + j} : detail::Scale{values[j], nullptr};
     p.positions = {pos->bytes_at(size_t(row) * 4), 1, false};
@@ -432,6 +440,10 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
     }
   specs.push_back({PoolSpec::NHD, 16, true, true, true});
   specs.push_back({PoolSpec::Flat, 1, false, true, false});
+  // The fp8 cases again with power-of-two scales, beside the same cases above.
+  specs.push_back({PoolSpec::Flat, 1, true, false, true, true});
+  specs.push_back({PoolSpec::NHD, 16, true, true, true, true});
+  specs.push_back({PoolSpec::Flat, 1, false, true, false, true});
   std::printf("\nSPEC 6 caches (bf16 q/k/v, Hq 32, Hk 8, D 128, 262144-slot caches; copy %.0f GB/s):\n", copy / 1e9);
   std::printf("%8s  %-40s %10s %9s %7s %10s %10s  %s\n", "T", "cache", "us/call", "GB/s", "%copy", "graph us", "kernel",
               "fp8 k and v on one item (T <= 256): us/call | graph us");
