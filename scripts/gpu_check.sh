@@ -250,7 +250,7 @@ else
   BENCHES=" ${GPU_CHECK_BENCHES:-cpp py mla} "
   if [ -x "$CUDA_BENCH" ] && [[ $BENCHES == *" cpp "* ]]; then
     # The kernel alone from C++ (no Python), with and without PDL.
-    run_step "CUDA C++ bench (bench/cuda)" "$LOGS/selftest.log" 300 "$CUDA_BENCH" ${GPU_BENCH_CPP_ARGS:-}
+    run_step "CUDA C++ bench (bench/cuda)" "$LOGS/selftest.log" 420 "$CUDA_BENCH" ${GPU_BENCH_CPP_ARGS:-}
   fi
   if [ "$PIP_RC" = 0 ]; then
     # The main table, the cache formats (§6) and the fusions (§7, with a torch.compile build
