@@ -424,12 +424,15 @@ struct HeadOps {
     }
   }
 
-  /// Stores unit j of floats (fa, fb) as e4m3(x / scale) at `head` (an e4m3 head row).
+  /// Stores unit j of floats (fa, fb) as e4m3(x / scale) at `head` (an e4m3 head row); kPow2:
+  /// the scale is a power of two (fp8_power_of_two, decided once per item by the caller).
+  template <bool kPow2 = false>
   __device__ __forceinline__ void store_unit_fp8(uint8_t* head, int j, const float (&fa)[kVec],
                                                  const float (&fb)[kVec], const Fp8Divisor& scale) const {
     const int first = unit_first(j);
-    Fp8::store(head + first, Fp8::quantize(fa, scale));
-    if (kTwoAccesses && j < pairs_per_head) Fp8::store(head + first + partner(), Fp8::quantize(fb, scale));
+    Fp8::store(head + first, Fp8::template quantize<kPow2>(fa, scale));
+    if (kTwoAccesses && j < pairs_per_head)
+      Fp8::store(head + first + partner(), Fp8::template quantize<kPow2>(fb, scale));
   }
 
   // ---- SPEC §7's QK norm (rope_pool_norm_kernel) ---------------------------------------------
@@ -587,6 +590,8 @@ struct HeadOps {
     for (int i = 0; i < kQUnits; ++i) load_unit(s, i, stage[2 * i], stage[2 * i + 1]);
   }
 
+  /// kPow2: q_scale is a power of two (fp8_power_of_two).
+  template <bool kPow2 = false>
   __device__ __forceinline__ void finish_q(int64_t t, int chunk, const float* cos_row,
                                            const float* sin_row, Raw (&stage)[kStage],
                                            const Fp8Divisor* q_scale = nullptr,
@@ -600,7 +605,7 @@ struct HeadOps {
         // Both halves at once here: one half at a time spills more in the q chunks.
         float fa[kVec], fb[kVec];
         rotate_unit_float(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1], fa, fb);
-        store_unit_fp8(static_cast<uint8_t*>(p.q_out) + t * p.qo_row + c.head * p.qo_head, c.j, fa,
+        store_unit_fp8<kPow2>(static_cast<uint8_t*>(p.q_out) + t * p.qo_row + c.head * p.qo_head, c.j, fa,
                        fb, *q_scale);
       } else {
         rotate_unit(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1]);
@@ -675,6 +680,8 @@ struct HeadOps {
     return r;
   }
 
+  /// kPow2: every scale of `parts` is a power of two (fp8_power_of_two).
+  template <bool kPow2 = false>
   __device__ __forceinline__ void finish_kv(int64_t t, const float* cos_row, const float* sin_row,
                                             int round, const PoolRow& row, bool to_pool,
                                             Raw (&stage)[kStage], int parts = kKv,
@@ -692,7 +699,7 @@ struct HeadOps {
         store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j,
                    stage[2 * i], stage[2 * i + 1]);
         if (to_pool)
-          store_unit_fp8(static_cast<uint8_t*>(p.k_pool) + k_row_offset(row) + c.head * p.kp_head, c.j,
+          store_unit_fp8<kPow2>(static_cast<uint8_t*>(p.k_pool) + k_row_offset(row) + c.head * p.kp_head, c.j,
                          fa, fb, kv_scales[0]);
       } else {
         rotate_unit(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1]);
@@ -713,7 +720,7 @@ struct HeadOps {
         IO::to_float(stage[2 * kKUnits + i], f);
         if constexpr (std::is_same_v<E, F16>) IO::keep_nan_signs(stage[2 * kKUnits + i], f);
         Fp8::store(static_cast<uint8_t*>(p.v_pool) + v_row_offset(row) + c.head * p.vp_head + c.j * kVec,
-                   Fp8::quantize(f, kv_scales[1]));
+                   Fp8::template quantize<kPow2>(f, kv_scales[1]));
       } else {
         IO::store(static_cast<Bits*>(p.v_pool) + v_row_offset(row) + c.head * p.vp_head + c.j * kVec,
                   stage[2 * kKUnits + i]);
@@ -909,7 +916,11 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
           ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, parts,
                         Ops::kFp8Pool ? divisors : nullptr, &scales);
         } else if constexpr (Ops::kFp8Pool) {
-          ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, parts, divisors);
+          // Power-of-two scales take the product path (vec.cuh), chosen once per item.
+          const bool pow2 = (!(parts & Ops::kKHeads) || fp8_power_of_two(divisors[0])) &&
+                            (!(parts & Ops::kVHeads) || fp8_power_of_two(divisors[1]));
+          if (pow2) ops.template finish_kv<true>(t, cos_row, sin_row, r, row, to_pool, stage, parts, divisors);
+          else ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, parts, divisors);
         } else {
           ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage);
         }
@@ -926,7 +937,8 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
         ops.finish_q(t, item - kv_items, cos_row, sin_row, stage, Ops::kFp8QOut ? divisors + 2 : nullptr,
                      &scales);
       } else if constexpr (Ops::kFp8QOut) {
-        ops.finish_q(t, item - kv_items, cos_row, sin_row, stage, divisors + 2);
+        if (fp8_power_of_two(divisors[2])) ops.template finish_q<true>(t, item - kv_items, cos_row, sin_row, stage, divisors + 2);
+        else ops.finish_q(t, item - kv_items, cos_row, sin_row, stage, divisors + 2);
       } else {
         ops.finish_q(t, item - kv_items, cos_row, sin_row, stage);
       }

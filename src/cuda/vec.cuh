@@ -319,13 +319,11 @@ struct Fp8IO {
   using Raw = std::conditional_t<kVec == 8, uint2, std::conditional_t<kVec == 4, uint32_t, uint8_t>>;
   static_assert(kVec == 8 || kVec == 4 || kVec == 1, "e4m3 accesses of 8, 4 or 1 bytes");
 
-  /// One branch per access (warp-uniform: every lane has the call's scale): a power-of-two
-  /// scale skips the Newton steps (fp8_power_of_two).
+  /// kPow2: the scale is one that fp8_power_of_two accepts (the product alone). The caller
+  /// decides once per warp item, not per access: a branch per access splits the unrolled units
+  /// into basic blocks the compiler cannot interleave, and measured slower on both paths.
+  template <bool kPow2 = false>
   static __device__ __forceinline__ Raw quantize(const float (&f)[kVec], const Fp8Divisor& d) {
-    return fp8_power_of_two(d) ? quantize_as<true>(f, d) : quantize_as<false>(f, d);
-  }
-  template <bool kPow2>
-  static __device__ __forceinline__ Raw quantize_as(const float (&f)[kVec], const Fp8Divisor& d) {
     if constexpr (kVec == 8)
       return make_uint2(e4m3_quotient<4, kPow2>(f, d), e4m3_quotient<4, kPow2>(f + 4, d));
     else if constexpr (kVec == 4) return e4m3_quotient<4, kPow2>(f, d);

@@ -1753,7 +1753,7 @@ __device__ __forceinline__ uint32_t e4m3_expected(uint32_t u, const uint32_t* th
 
 /// Converts every float32 (as x / 1.0f) with the kernel's helpers and counts disagreements
 /// with the thresholds of float_to_e4m3. kind: 0 e4m3_quotient<1>, 1 <2>, 2 <4>, 3 Fp8IO<8>,
-/// 4 the software e4m3_soft.
+/// 4 the software e4m3_soft, 5 Fp8IO<8> with the power-of-two product (scale 1).
 __global__ void e4m3_every_float(const uint32_t* thr_g, int kind, uint64_t begin, uint64_t end,
                                  unsigned long long* mismatches, unsigned* first_bad) {
   __shared__ uint32_t thr[128];
@@ -1777,10 +1777,10 @@ __global__ void e4m3_every_float(const uint32_t* thr_g, int kind, uint64_t begin
         const uint32_t w = cuda::e4m3_quotient<4>(f + i, one);
         for (int j = 0; j < 4; ++j) got[i + j] = (w >> (8 * j)) & 0xff;
       }
-    } else if (kind == 3) {
+    } else if (kind == 3 || kind == 5) {
       float v[8];
       for (int i = 0; i < 8; ++i) v[i] = f[i];
-      const uint2 w = cuda::Fp8IO<8>::quantize(v, one);
+      const uint2 w = kind == 5 ? cuda::Fp8IO<8>::quantize<true>(v, one) : cuda::Fp8IO<8>::quantize(v, one);
       for (int j = 0; j < 4; ++j) got[j] = (w.x >> (8 * j)) & 0xff, got[4 + j] = (w.y >> (8 * j)) & 0xff;
     } else {
       for (int i = 0; i < 8; ++i) got[i] = cuda::e4m3_soft(f[i]);
@@ -1906,8 +1906,9 @@ void test_e4m3_conversion(Rng& rng) {
   DeviceBuffer d_thr(thr.size() * 4), d_count(8), d_first(64);
   ROPEPOOL_CUDA_OK(cudaMemcpy(d_thr.ptr, thr.data(), thr.size() * 4, cudaMemcpyHostToDevice));
   const uint64_t end = g_sanitize ? (uint64_t(1) << 20) : (uint64_t(1) << 32);
-  const char* kinds[] = {"e4m3_quotient<1>", "e4m3_quotient<2>", "e4m3_quotient<4>", "Fp8IO<8>::quantize", "e4m3_soft"};
-  for (int kind = 0; kind < 5; ++kind) {
+  const char* kinds[] = {"e4m3_quotient<1>", "e4m3_quotient<2>", "e4m3_quotient<4>", "Fp8IO<8>::quantize",
+                         "e4m3_soft", "Fp8IO<8>::quantize<true>"};
+  for (int kind = 0; kind < 6; ++kind) {
     // Under the sanitizer: the bottom of the range and the e4m3 range (2^-10 .. 2^9), both signs.
     std::vector<std::pair<uint64_t, uint64_t>> ranges = {{0, end}};
     if (g_sanitize) ranges = {{0, end}, {0x3a800000u, 0x3a800000u + end}, {0xc3c00000u, 0xc3c00000u + end}};
