@@ -286,8 +286,8 @@ __device__ __forceinline__ float fp8_quotient(float x, const Fp8Divisor& d) {
 /// A finite, nonzero power-of-two scale: s = r = +-1. Every other prepared scale has s != r
 /// (r = RN(1 / s) lies in (1/2, 1) for s in (1, 2); zero gives r = inf, infinity r = 0, NaN is
 /// unequal to itself). For such a scale fp8_quotient's residuals are zero, so its Newton steps
-/// return q0 = x * p1 * p2 * r unchanged: the quotient is that product alone (vLLM's and
-/// sglang's default scale 1.0 among them).
+/// return q0 = x * p1 * p2 * r unchanged: the quotient is that product alone (vLLM's
+/// uncalibrated fp8 cache scale, 1.0, among them).
 __device__ __forceinline__ bool fp8_power_of_two(const Fp8Divisor& d) { return d.s == d.r; }
 
 /// e4m3fn bytes of x[i] / scale, i < kN, packed little-endian: the quotient in float32 as IEEE
