@@ -605,8 +605,8 @@ struct HeadOps {
         // Both halves at once here: one half at a time spills more in the q chunks.
         float fa[kVec], fb[kVec];
         rotate_unit_float(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1], fa, fb);
-        store_unit_fp8<kPow2>(static_cast<uint8_t*>(p.q_out) + t * p.qo_row + c.head * p.qo_head, c.j, fa,
-                       fb, *q_scale);
+        store_unit_fp8<kPow2>(static_cast<uint8_t*>(p.q_out) + t * p.qo_row + c.head * p.qo_head, c.j,
+                              fa, fb, *q_scale);
       } else {
         rotate_unit(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1]);
         store_unit(static_cast<Bits*>(p.q_out) + t * p.qo_row + c.head * p.qo_head, c.j,
@@ -699,8 +699,8 @@ struct HeadOps {
         store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j,
                    stage[2 * i], stage[2 * i + 1]);
         if (to_pool)
-          store_unit_fp8<kPow2>(static_cast<uint8_t*>(p.k_pool) + k_row_offset(row) + c.head * p.kp_head, c.j,
-                         fa, fb, kv_scales[0]);
+          store_unit_fp8<kPow2>(static_cast<uint8_t*>(p.k_pool) + k_row_offset(row) + c.head * p.kp_head,
+                                c.j, fa, fb, kv_scales[0]);
       } else {
         rotate_unit(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1]);
         store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j,
@@ -919,8 +919,10 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
           // Power-of-two scales take the product path (vec.cuh), chosen once per item.
           const bool pow2 = (!(parts & Ops::kKHeads) || fp8_power_of_two(divisors[0])) &&
                             (!(parts & Ops::kVHeads) || fp8_power_of_two(divisors[1]));
-          if (pow2) ops.template finish_kv<true>(t, cos_row, sin_row, r, row, to_pool, stage, parts, divisors);
-          else ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, parts, divisors);
+          if (pow2)
+            ops.template finish_kv<true>(t, cos_row, sin_row, r, row, to_pool, stage, parts, divisors);
+          else
+            ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage, parts, divisors);
         } else {
           ops.finish_kv(t, cos_row, sin_row, r, row, to_pool, stage);
         }
@@ -937,8 +939,10 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
         ops.finish_q(t, item - kv_items, cos_row, sin_row, stage, Ops::kFp8QOut ? divisors + 2 : nullptr,
                      &scales);
       } else if constexpr (Ops::kFp8QOut) {
-        if (fp8_power_of_two(divisors[2])) ops.template finish_q<true>(t, item - kv_items, cos_row, sin_row, stage, divisors + 2);
-        else ops.finish_q(t, item - kv_items, cos_row, sin_row, stage, divisors + 2);
+        if (fp8_power_of_two(divisors[2]))
+          ops.template finish_q<true>(t, item - kv_items, cos_row, sin_row, stage, divisors + 2);
+        else
+          ops.finish_q(t, item - kv_items, cos_row, sin_row, stage, divisors + 2);
       } else {
         ops.finish_q(t, item - kv_items, cos_row, sin_row, stage);
       }

@@ -321,7 +321,8 @@ struct Fp8IO {
 
   /// kPow2: the scale is one that fp8_power_of_two accepts (the product alone). The caller
   /// decides once per warp item, not per access: a branch per access splits the unrolled units
-  /// into basic blocks the compiler cannot interleave, and measured slower on both paths.
+  /// into basic blocks the compiler cannot interleave (measured: the division path up to 15%
+  /// slower, the product path barely faster; docs/NOTES.md, 2026-12-05).
   template <bool kPow2 = false>
   static __device__ __forceinline__ Raw quantize(const float (&f)[kVec], const Fp8Divisor& d) {
     if constexpr (kVec == 8)
