@@ -94,8 +94,9 @@ def parse_args(argv=None):
     p.add_argument("--no-flashinfer", action="store_true",
                    help="leave FlashInfer out even where it imports")
     p.add_argument("--kv-scale", type=float, default=0.5,
-                   help="the fp8 cache's scale (0.5, a power of two, skips the division's Newton "
-                   "steps in ropepool's kernel; try 0.37 for the general case)")
+                   help="the fp8 cache's scale (default 0.5, a power of two; 0.37 for a scale that "
+                   "is not one). FlashInfer quantises with the reciprocal 1 / kv_scale, which for "
+                   "such a scale can differ from the division on rare ties: its check reports them")
     p.add_argument("--seed", type=int, default=20240601)
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
