@@ -936,6 +936,19 @@ HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t*
 }
 #endif
 
+// e4m3(x / scale) of a row as read (v, MLA's kv_c): bfloat16 rows through QuantizeRowBF16
+// where vectors hold pairs, every other row through QuantizeRow.
+template <class E>
+HWY_INLINE void QuantizeInputRow(const typename E::T* in, uint8_t* out, int64_t n, const Divisor& d) {
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (std::is_same_v<E, BFloat16>) {
+    QuantizeRowBF16(in, out, n, d, false);
+    return;
+  }
+#endif
+  QuantizeRow<E>(in, out, n, d);
+}
+
 // kQuant: an fp8 pool and/or an fp8 q_rot (SPEC §6). Heads whose outputs are all in q's
 // dtype take the plain path; a k head with fp8 pools is rotated into a float32 row that is
 // rounded to q's dtype (k_rot: the plain path's bits) and quantised (the pool row), except a
@@ -1270,12 +1283,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
           uint8_t* stage = e4m3_stage.data();
           QuantizeRow<Float32>(f, stream ? stage : k_dst, D, k_div);
           if (stream) CopyBytes(k_dst, stage, size_t(D), true);
-#if HWY_TARGET != HWY_SCALAR
-          if constexpr (kBF16)
-            QuantizeRowBF16(row(p.v, t, kv), stream ? stage : v_dst, D, v_div, false);
-          else
-#endif
-            QuantizeRow<E>(row(p.v, t, kv), stream ? stage : v_dst, D, v_div);
+          QuantizeInputRow<E>(row(p.v, t, kv), stream ? stage : v_dst, D, v_div);
           if (stream) CopyBytes(v_dst, stage, size_t(D), true);
         }
         continue;
@@ -1354,11 +1362,7 @@ void QuantizeE4M3Row(const float* in, uint8_t* out, int64_t n, float scale) {
 }
 
 void QuantizeE4M3BF16Row(const uint16_t* in, uint8_t* out, int64_t n, float scale) {
-#if HWY_TARGET != HWY_SCALAR
-  QuantizeRowBF16(in, out, n, Divisor(scale), false);
-#else
-  QuantizeRow<BFloat16>(in, out, n, Divisor(scale));
-#endif
+  QuantizeInputRow<BFloat16>(in, out, n, Divisor(scale));
 }
 
 void PromoteRow(DType dtype, const void* in, float* out, int64_t n) {

@@ -253,12 +253,7 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
       DemoteRowTo<E>(k_f32, k_dst, R, false);
       if (slot < 0) continue;
       uint8_t* dst = stream ? row_stage : cache_row(slot);
-#if HWY_TARGET != HWY_SCALAR
-      if constexpr (kBF16)
-        QuantizeRowBF16(kv, dst, L, div, false);
-      else
-#endif
-        QuantizeRow<E>(kv, dst, L, div);
+      QuantizeInputRow<E>(kv, dst, L, div);
       QuantizeRow<Float32>(k_f32, dst + L, R, div);
       if (stream) StreamBytes(cache_row(slot), row_stage, size_t(L + R));
     } else {
