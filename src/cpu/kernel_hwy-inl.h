@@ -903,7 +903,7 @@ HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t*
   const bool stream_pool = stream && pool && half % (4 * N) == 0 && Aligned(pool, size_t(4 * N));
   // One chunk of 2N pairs at i: k_rot stored, the e4m3 codes of [i, i + 2N) and
   // [half + i, half + i + 2N) returned.
-  auto chunk = [&](int64_t i, VU16& lo_codes, VU16& hi_codes) {
+  auto chunk = [&](int64_t i, VU16& lo_codes, VU16& hi_codes) __attribute__((always_inline)) {
     VF lo_even, lo_odd, hi_even, hi_odd;
     RotateChunkBF16(x, half, i, cos_t, sin_t, lo_even, lo_odd, hi_even, hi_odd);
     StoreU16(PackBF16EvenOdd(lo_even, lo_odd), out + i, stream_here);
@@ -1189,7 +1189,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
         for (; i < half; ++i) cos_p[i] = cos_t[i], sin_p[i] = sin_t[i];
       }
     }
-    auto rotate = [&](const T* x, T* out, T* out2) {
+    auto rotate = [&](const T* x, T* out, T* out2) __attribute__((always_inline)) {
 #if HWY_TARGET != HWY_SCALAR
       if constexpr (kBF16) {
         if (p.interleaved)
