@@ -883,12 +883,13 @@ HWY_INLINE void QuantizeRowBF16(const uint16_t* in, uint8_t* out, int64_t n, con
   QuantizeRow<BFloat16>(in + i, out + i, n - i, d);
 }
 
-// A bfloat16 k head with half-split pairs and an fp8 pool, for R/2 a multiple of 2N: the
-// rotation of RotateRowBF16 (table in its (even, odd) order), k_rot rounded and stored as it
-// stores it, and the same float32 registers, before that rounding, divided by the scale and
-// quantised into the pool row (`pool` may be null: no slot). No float32 row in between; the
+// A bfloat16 head with half-split pairs, for R/2 a multiple of 2N, rotated into an e4m3 row:
+// the rotation of RotateRowBF16 (table in its (even, odd) order), k_rot rounded and stored as
+// it stores it (`out` may be null: an fp8 q_rot head has no bfloat16 row), and the same float32
+// registers, before that rounding, divided by the scale and quantised into the e4m3 row (`pool`:
+// the k pool row or the fp8 q_rot row; null: no slot). No float32 row in between; the
 // pass-through elements are copied and quantised as read. `stream`: non-temporal stores for
-// k_rot and the pool row where they are vector-aligned.
+// both rows where they are vector-aligned.
 HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t* pool,
                                       const float* HWY_RESTRICT cos_t,
                                       const float* HWY_RESTRICT sin_t, int64_t rotary_dim,
@@ -906,8 +907,10 @@ HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t*
   auto chunk = [&](int64_t i, VU16& lo_codes, VU16& hi_codes) __attribute__((always_inline)) {
     VF lo_even, lo_odd, hi_even, hi_odd;
     RotateChunkBF16(x, half, i, cos_t, sin_t, lo_even, lo_odd, hi_even, hi_odd);
-    StoreU16(PackBF16EvenOdd(lo_even, lo_odd), out + i, stream_here);
-    StoreU16(PackBF16EvenOdd(hi_even, hi_odd), out + half + i, stream_here);
+    if (out) {
+      StoreU16(PackBF16EvenOdd(lo_even, lo_odd), out + i, stream_here);
+      StoreU16(PackBF16EvenOdd(hi_even, hi_odd), out + half + i, stream_here);
+    }
     if (pool) {
       lo_codes = E4M3EvenOdd(df, Scaled(df, lo_even, d), Scaled(df, lo_odd, d));
       hi_codes = E4M3EvenOdd(df, Scaled(df, hi_even, d), Scaled(df, hi_odd, d));
@@ -930,7 +933,7 @@ HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t*
       StoreE4M3Half(hi0, pool + half + i);
     }
   }
-  copy_pass_through(x, out, static_cast<uint16_t*>(nullptr), rotary_dim, head_dim);
+  if (out) copy_pass_through(x, out, static_cast<uint16_t*>(nullptr), rotary_dim, head_dim);
   if (pool && rotary_dim < head_dim)
     QuantizeRowBF16(x + rotary_dim, pool + rotary_dim, head_dim - rotary_dim, d, stream_pool);
 }
@@ -953,9 +956,9 @@ HWY_INLINE void QuantizeInputRow(const typename E::T* in, uint8_t* out, int64_t 
 // dtype take the plain path; a k head with fp8 pools is rotated into a float32 row that is
 // rounded to q's dtype (k_rot: the plain path's bits) and quantised (the pool row), except a
 // bfloat16 half-split head of whole chunks, which does both from registers
-// (RotateRowBF16WithE4M3); an fp8
-// q_rot head is rotated and quantised in one pass. Scale tensors are read here, when the
-// kernel runs.
+// (RotateRowBF16WithE4M3); an fp8 q_rot head is rotated and quantised in one pass (bfloat16
+// half-split heads of whole chunks through RotateRowBF16WithE4M3 too, without a bfloat16
+// row). Scale tensors are read here, when the kernel runs.
 #if HWY_TARGET != HWY_SCALAR
 // NormRow for bfloat16 through the permute-free (even, odd) split of the file comment: 2N
 // elements per step; `w` is in (even, odd) order per whole chunk of 2N (PermuteForBF16 over
@@ -1087,7 +1090,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
   // so its lines are not read for ownership first (RotateRowBF16WithE4M3 streams from
   // registers).
   thread_local std::vector<uint8_t> e4m3_stage;
-  bool fp8_pool = false, fp8_q = false, fused_k = false;
+  bool fp8_pool = false, fp8_q = false, fused_k = false, fused_q = false;
   Divisor k_div(1.0f), v_div(1.0f), q_div(1.0f);
   if constexpr (kQuant) {
     fp8_pool = p.pool_dtype == DType::Float8E4M3FN;
@@ -1098,9 +1101,11 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     if (rotated.size() < size_t(D)) rotated.resize(size_t(D));
     if (e4m3_stage.size() < size_t(D)) e4m3_stage.resize(size_t(D));
     if (kBF16) {
-      // fp8-pool k heads of whole (even, odd) chunks rotate straight from the bf16 tables
+      // fp8-pool k heads and fp8 q_rot heads of whole (even, odd) chunks rotate straight
+      // from the bf16 tables
       const int64_t chunk = 2 * static_cast<int64_t>(hn::Lanes(DF()));
       fused_k = fp8_pool && !p.interleaved && (R / 2) % chunk == 0 && kEvenOddBF16;
+      fused_q = fp8_q && !p.interleaved && (R / 2) % chunk == 0 && kEvenOddBF16;
       if (plain_table.size() < size_t(6 * n)) plain_table.resize(size_t(6 * n));
       cos_p = plain_table.data();
       sin_p = cos_p + n;
@@ -1178,7 +1183,8 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
           sin_pil[2 * i] = -sin_t[i];
           sin_pil[2 * i + 1] = sin_t[i];
         }
-      } else if (fp8_q || !fused_k) {  // undo PermuteForBF16 (cheaper than a second table)
+      } else if ((fp8_q && !fused_q) || (fp8_pool && !fused_k)) {
+        // undo PermuteForBF16 (cheaper than a second table)
         const int64_t N = static_cast<int64_t>(hn::Lanes(DF())), half = R / 2;
         int64_t i = 0;
         for (; i + 2 * N <= half; i += 2 * N)
@@ -1249,6 +1255,14 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
         if (kQuant && fp8_q) {
           uint8_t* out = static_cast<uint8_t*>(p.q_out.data) + t * p.q_out.row_stride +
                          h * p.q_out.head_stride;
+#if HWY_TARGET != HWY_SCALAR
+          if constexpr (kBF16) {
+            if (fused_q) {
+              RotateRowBF16WithE4M3(x, nullptr, out, cos_t, sin_t, R, D, stream, q_div);
+              continue;
+            }
+          }
+#endif
           RotateRowToE4M3<E>(x, stream ? e4m3_stage.data() : out, cos_p, sin_p, cos_pil,
                              sin_pil, R, D, p.interleaved, q_div);
           if (stream) CopyBytes(out, e4m3_stage.data(), size_t(D), true);

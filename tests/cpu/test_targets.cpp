@@ -15,9 +15,10 @@
 //                           subnormals, with several scales, and every 256th float32 pattern;
 //                           every bfloat16 pattern through the bf16 row path (v rows) with
 //                           every power-of-two scale and some others.
-//   Fp8KPoolIsTheRotation   bfloat16 k heads into fp8 pools: the pool row is e4m3 of the
-//                           float32 rotation bit for bit (the same call in float32 gives that
-//                           rotation as k_rot), whole (even, odd) chunks or not.
+//   Fp8RowsAreTheRotation   bfloat16 k heads into fp8 pools and q heads into an fp8 q_rot:
+//                           the pool row and the q_rot row are e4m3 of the float32 rotation
+//                           bit for bit (the same call in float32 gives that rotation as k_rot
+//                           and q_rot), whole (even, odd) chunks or not.
 //   CachesMatchReference    paged (NHD/HND, page sizes 1, 5, 16) and combined-cache pools,
 //                           fp8 pools and fp8 q_rot, 1-3 threads: the test kit's whole-call
 //                           contract.
@@ -420,11 +421,12 @@ void e4m3_on_every_boundary(const char* target) {
   EXPECT_EQ(bad, 0);
 }
 
-// The bench and the kit check a k pool row only within one e4m3 step of the exact value (k_rot
-// is rounded). Here the row must be e4m3(f / k_scale) exactly, f the float32 rotation: the same
-// call in float32 (bf16 inputs widened) rotates with the same float32 operations and returns f
-// as k_rot, so its pool row is e4m3(k_rot / k_scale) and the bf16 call's the same bytes.
-void fp8_k_pool_is_the_rotation(const char* target) {
+// The bench and the kit check a k pool row and an fp8 q_rot only within one e4m3 step of the
+// exact value (k_rot is rounded). Here they must be e4m3(f / scale) exactly, f the float32
+// rotation: the same call in float32 (bf16 inputs widened, q_rot in float32) rotates with the
+// same float32 operations and returns f as k_rot and q_rot, so its pool row is e4m3(k_rot /
+// k_scale) and the bf16 call's pool row and fp8 q_rot are e4m3(f / scale) bit for bit.
+void fp8_rows_are_the_rotation(const char* target) {
   ASSERT_STREQ(detail::cpu::hwy_target_name(), target);
   Rng rng(fresh_seed());
   SCOPED_TRACE("seed " + std::to_string(rng.seed()) + " (replay: ROPEPOOL_TEST_SEED)");
@@ -443,21 +445,28 @@ void fp8_k_pool_is_the_rotation(const char* target) {
       s.pool_dtype = DType::Float8E4M3FN;
       s.k_scale = k_scale;
       s.v_scale = 0.7;
+      s.q_out_dtype = DType::Float8E4M3FN;
+      s.q_scale = k_scale;
       Case b(s);
       b.randomize(rng);
-      // values of every magnitude class: k * 2^e for e in [-30, 30] saturates, goes subnormal
-      for (int64_t t = 0; t < s.num_tokens; ++t)
-        for (int64_t h = 0; h < s.num_kv_heads; ++h)
-          for (int64_t d = 0; d < s.head_dim; ++d)
-            store(b.tensors.k, t, h, d,
-                  float(load(b.tensors.k, t, h, d) * std::ldexp(1.0, int(rng() % 61) - 30)));
+      // values of every magnitude class: x * 2^e for e in [-30, 30] saturates, goes subnormal
+      for (TensorView* x : {&b.tensors.q, &b.tensors.k})
+        for (int64_t t = 0; t < s.num_tokens; ++t)
+          for (int64_t h = 0; h < x->shape[1]; ++h)
+            for (int64_t d = 0; d < s.head_dim; ++d)
+              store(*x, t, h, d, float(load(*x, t, h, d) * std::ldexp(1.0, int(rng() % 61) - 30)));
       Shape s32 = s;
       s32.dtype = DType::Float32;
+      s32.q_out_dtype = DType::Other;
+      s32.q_scale = 0;
       Case f(s32);
       f.randomize(rng);
       for (int64_t t = 0; t < s.num_tokens; ++t) {
         f.set_position(t, b.position(t));
         f.set_slot(t, b.slot(t));
+        for (int64_t h = 0; h < s.num_qo_heads; ++h)
+          for (int64_t d = 0; d < s.head_dim; ++d)
+            store(f.tensors.q, t, h, d, float(load(b.tensors.q, t, h, d)));
         for (int64_t h = 0; h < s.num_kv_heads; ++h)
           for (int64_t d = 0; d < s.head_dim; ++d) {
             store(f.tensors.k, t, h, d, float(load(b.tensors.k, t, h, d)));
@@ -489,6 +498,20 @@ void fp8_k_pool_is_the_rotation(const char* target) {
           }
       }
       EXPECT_GT(checked, 0);
+      ASSERT_EQ(bad, 0);
+      const float q_scale = float(s.q_scale);
+      for (int64_t t = 0; t < s.num_tokens; ++t)
+        for (int64_t h = 0; h < s.num_qo_heads; ++h)
+          for (int64_t d = 0; d < s.head_dim; ++d) {
+            const TensorView& qo = b.tensors.q_out;
+            const uint8_t got = static_cast<const uint8_t*>(
+                qo.data)[t * qo.strides[0] + h * qo.strides[1] + d * qo.strides[2]];
+            const uint8_t want = float_to_e4m3(float(load(f.tensors.q_out, t, h, d)) / q_scale);
+            if (got != want && ++bad <= 5)
+              ADD_FAILURE() << "D " << dim[0] << " R " << dim[1] << " q_scale " << q_scale
+                            << " token " << t << " head " << h << " d " << d << ": q_rot 0x"
+                            << std::hex << int(got) << ", want 0x" << int(want);
+          }
       ASSERT_EQ(bad, 0);
     }
 }
@@ -562,7 +585,7 @@ void KernelMatchesReference(int threads) { kernel_matches_reference(hwy::TargetN
 void DemoteIsExhaustive(int shard) { demote_is_exhaustive(hwy::TargetName(HWY_TARGET), shard); }
 void E4M3OnEveryBoundary() { e4m3_on_every_boundary(hwy::TargetName(HWY_TARGET)); }
 void CachesMatchReference() { caches_match_reference(hwy::TargetName(HWY_TARGET)); }
-void Fp8KPoolIsTheRotation() { fp8_k_pool_is_the_rotation(hwy::TargetName(HWY_TARGET)); }
+void Fp8RowsAreTheRotation() { fp8_rows_are_the_rotation(hwy::TargetName(HWY_TARGET)); }
 
 }  // namespace ropepool::test::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
@@ -575,7 +598,7 @@ namespace ropepool::test {
 HWY_BEFORE_TEST(CpuTarget);
 HWY_EXPORT_AND_TEST_P(CpuTarget, E4M3OnEveryBoundary);
 HWY_EXPORT_AND_TEST_P(CpuTarget, CachesMatchReference);
-HWY_EXPORT_AND_TEST_P(CpuTarget, Fp8KPoolIsTheRotation);
+HWY_EXPORT_AND_TEST_P(CpuTarget, Fp8RowsAreTheRotation);
 
 class CpuTargetShard : public hwy::TestWithParamTargetAndT<int> {};
 HWY_TARGET_INSTANTIATE_TEST_SUITE_P_T(CpuTargetShard, ::testing::Range(0, kDemoteShards));
