@@ -97,6 +97,29 @@ constexpr int64_t kRowBatch = 16;
 constexpr int64_t kStageBytes = 2048;
 constexpr int64_t kPrefetchBytes = 4096;
 
+#if HWY_TARGET != HWY_SCALAR
+// A bfloat16 k_pe row of GPT-J pairs with an fp8 cache, R a multiple of 2N: rotated in (even,
+// odd) registers with the float32 operations of the generic interleaved path (RotateRowToFloat:
+// even = a*c - b*s, odd = b*c + a*s, the second product rounded first), k_pe_rot rounded and
+// stored as DemoteRowTo stores it, and the same registers quantised into `codes` (null: no
+// slot). No interleaved tables and no float32 row in between.
+HWY_INLINE void RotateRowInterleavedBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t* codes,
+                                                 const float* HWY_RESTRICT cos_t,
+                                                 const float* HWY_RESTRICT sin_t, int64_t R,
+                                                 const Divisor& d) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  for (int64_t j = 0; j < R; j += 2 * N) {
+    VF a, b;
+    LoadBF16EvenOdd(x + j, a, b);
+    const VF c = hn::LoadU(df, cos_t + j / 2), s = hn::LoadU(df, sin_t + j / 2);
+    const VF even = hn::MulSub(a, c, hn::Mul(b, s)), odd = hn::MulAdd(b, c, hn::Mul(a, s));
+    StoreU16(PackBF16EvenOdd(even, odd), out + j, false);
+    if (codes) StoreE4M3Half(E4M3EvenOdd(df, Scaled(df, even, d), Scaled(df, odd, d)), codes + j);
+  }
+}
+#endif
+
 template <class E, bool kFp8Cache>
 void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
   using T = typename E::T;
@@ -110,7 +133,10 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
   // Table entries computed: whole vectors over R/2 (inv_freq is zero-padded to kTablePad,
   // a multiple of every vector length).
   const int64_t n = round_up(half, N);
-  const bool il_tables = gptj && (!kBF16 || kFp8Cache);  // RotateRowInterleaved / ToFloat
+  // bfloat16 GPT-J k_pe rows of whole (even, odd) chunks into an fp8 cache rotate from the
+  // plain tables too (RotateRowInterleavedBF16WithE4M3)
+  const bool fused_k = kBF16 && kFp8Cache && gptj && R % (2 * N) == 0;
+  const bool il_tables = gptj && (!kBF16 || (kFp8Cache && !fused_k));  // RotateRowInterleaved / ToFloat
   const bool stream = kCanStream && plan.stream_stores;
   constexpr size_t es = sizeof(T);
   const size_t q_row_bytes = size_t(R) * es;
@@ -249,12 +275,19 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
     const T* kv = static_cast<const T*>(p.kv_c.data) + t * p.kv_c.row_stride;
     if constexpr (kFp8Cache) {
       // SPEC §8: the cache gets the rotated k before it is rounded to k's dtype.
-      RotateRowToFloat<E>(k_x, k_f32, cos_t, sin_t, cos_il, sin_il, R, R, gptj);
-      DemoteRowTo<E>(k_f32, k_dst, R, false);
+      uint8_t* dst = slot < 0 ? nullptr : stream ? row_stage : cache_row(slot);
+#if HWY_TARGET != HWY_SCALAR
+      if constexpr (kBF16) {
+        if (fused_k) RotateRowInterleavedBF16WithE4M3(k_x, k_dst, dst ? dst + L : nullptr, cos_t, sin_t, R, div);
+      }
+#endif
+      if (!fused_k) {
+        RotateRowToFloat<E>(k_x, k_f32, cos_t, sin_t, cos_il, sin_il, R, R, gptj);
+        DemoteRowTo<E>(k_f32, k_dst, R, false);
+        if (dst) QuantizeRow<Float32>(k_f32, dst + L, R, div);
+      }
       if (slot < 0) continue;
-      uint8_t* dst = stream ? row_stage : cache_row(slot);
       QuantizeInputRow<E>(kv, dst, L, div);
-      QuantizeRow<Float32>(k_f32, dst + L, R, div);
       if (stream) StreamBytes(cache_row(slot), row_stage, size_t(L + R));
     } else {
       T* k_rot = reinterpret_cast<T*>(row_stage);

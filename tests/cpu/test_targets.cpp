@@ -19,6 +19,8 @@
 //                           the pool row and the q_rot row are e4m3 of the float32 rotation
 //                           bit for bit (the same call in float32 gives that rotation as k_rot
 //                           and q_rot), whole (even, odd) chunks or not.
+//   MlaFp8KIsTheRotation    the same for mla_rope_pool_fused's fp8 cache rows (k_pe_rot part)
+//                           and its k_pe_rot.
 //   CachesMatchReference    paged (NHD/HND, page sizes 1, 5, 16) and combined-cache pools,
 //                           fp8 pools and fp8 q_rot, 1-3 threads: the test kit's whole-call
 //                           contract.
@@ -45,6 +47,7 @@
 #include <vector>
 
 #include "ropepool_kit.hpp"
+#include "ropepool_mla_kit.hpp"
 #include "test_hooks.hpp"
 
 namespace ropepool::test {
@@ -516,6 +519,82 @@ void fp8_rows_are_the_rotation(const char* target) {
     }
 }
 
+// The same for mla_rope_pool_fused with an fp8 cache (SPEC §8): a bfloat16 call's k_pe_rot part
+// of each cache row is e4m3(f / kv_scale) bit for bit and its k_pe_rot is f rounded to
+// bfloat16, f the float32 rotation, which the same call in float32 returns as k_pe_rot; its
+// kv_c part is the float32 call's. R = 64 (DeepSeek's) rotates in whole (even, odd) chunks on
+// every target, R = 40 on none of the wider ones. (A last-bit difference in f itself shows only
+// where it crosses an e4m3 or bfloat16 rounding boundary: this holds the path and the
+// quantisation, not every float32 operation.)
+void mla_fp8_k_is_the_rotation(const char* target) {
+  ASSERT_STREQ(detail::cpu::hwy_target_name(), target);
+  Rng rng(fresh_seed());
+  SCOPED_TRACE("seed " + std::to_string(rng.seed()) + " (replay: ROPEPOOL_TEST_SEED)");
+  for (int64_t R : {64, 40})
+    for (double kv_scale : {0.015625, 0.02, 1.7}) {
+      MlaShape s;
+      s.cache_dtype = DType::Float8E4M3FN;
+      s.num_tokens = 19;
+      s.num_heads = 3;
+      s.rope_dim = R;
+      s.latent_dim = 96;
+      s.kv_scale = kv_scale;
+      MlaCase b(s);
+      b.randomize(rng);
+      // every magnitude class: k_pe * 2^e for e in [-30, 30] saturates, goes subnormal
+      for (int64_t t = 0; t < s.num_tokens; ++t)
+        for (int64_t d = 0; d < R; ++d)
+          store(b.tensors.k_pe, t, d, 0,
+                float(load(b.tensors.k_pe, t, d, 0) * std::ldexp(1.0, int(rng() % 61) - 30)));
+      MlaShape s32 = s;
+      s32.dtype = DType::Float32;
+      MlaCase f(s32);
+      f.randomize(rng);
+      for (int64_t t = 0; t < s.num_tokens; ++t) {
+        f.set_position(t, index_at(b.tensors.positions, t));
+        f.set_slot(t, index_at(b.tensors.slots, t));
+        for (int64_t h = 0; h < s.num_heads; ++h)
+          for (int64_t d = 0; d < R; ++d)
+            store(f.tensors.q_pe, t, h, d, float(load(b.tensors.q_pe, t, h, d)));
+        for (int64_t d = 0; d < R; ++d)
+          store(f.tensors.k_pe, t, d, 0, float(load(b.tensors.k_pe, t, d, 0)));
+        for (int64_t d = 0; d < s.latent_dim; ++d)
+          store(f.tensors.kv_c, t, d, 0, float(load(b.tensors.kv_c, t, d, 0)));
+      }
+      ASSERT_NO_THROW(mla_rope_pool_fused(b.tensors, b.params));
+      ASSERT_NO_THROW(mla_rope_pool_fused(f.tensors, f.params));
+      const float scale = float(kv_scale);
+      const int64_t L = s.latent_dim;
+      auto cache_byte = [&](const MlaCase& c, int64_t slot, int64_t col) {
+        const TensorView& kc = c.tensors.kv_cache;
+        return static_cast<const uint8_t*>(kc.data)[slot * kc.strides[0] + col * kc.strides[1]];
+      };
+      int64_t bad = 0, checked = 0;
+      for (int64_t t = 0; t < s.num_tokens; ++t) {
+        const int64_t slot = index_at(b.tensors.slots, t);
+        for (int64_t d = 0; d < R; ++d) {
+          const float k = float(load(f.tensors.k_out, t, d, 0));
+          if (float_to_bf16(k) != float_to_bf16(float(load(b.tensors.k_out, t, d, 0))) && ++bad <= 5)
+            ADD_FAILURE() << "R " << R << " token " << t << " k_pe_rot[" << d << "] = "
+                          << load(b.tensors.k_out, t, d, 0) << ", want bfloat16 of " << k;
+          if (slot < 0) continue;
+          const uint8_t want = float_to_e4m3(k / scale);
+          ++checked;
+          if ((cache_byte(b, slot, L + d) != want || cache_byte(f, slot, L + d) != want) && ++bad <= 5)
+            ADD_FAILURE() << "R " << R << " kv_scale " << kv_scale << " token " << t << " k " << d
+                          << ": bf16 call 0x" << std::hex << int(cache_byte(b, slot, L + d))
+                          << ", float32 call 0x" << int(cache_byte(f, slot, L + d)) << ", want 0x"
+                          << int(want) << std::dec;
+        }
+        for (int64_t d = 0; slot >= 0 && d < L; ++d)
+          if (cache_byte(b, slot, d) != cache_byte(f, slot, d) && ++bad <= 5)
+            ADD_FAILURE() << "R " << R << " token " << t << " kv_c " << d << " differs";
+      }
+      EXPECT_GT(checked, 0);
+      ASSERT_EQ(bad, 0);
+    }
+}
+
 void caches_match_reference(const char* target) {
   ASSERT_STREQ(detail::cpu::hwy_target_name(), target);
   Rng rng(fresh_seed());
@@ -586,6 +665,7 @@ void DemoteIsExhaustive(int shard) { demote_is_exhaustive(hwy::TargetName(HWY_TA
 void E4M3OnEveryBoundary() { e4m3_on_every_boundary(hwy::TargetName(HWY_TARGET)); }
 void CachesMatchReference() { caches_match_reference(hwy::TargetName(HWY_TARGET)); }
 void Fp8RowsAreTheRotation() { fp8_rows_are_the_rotation(hwy::TargetName(HWY_TARGET)); }
+void MlaFp8KIsTheRotation() { mla_fp8_k_is_the_rotation(hwy::TargetName(HWY_TARGET)); }
 
 }  // namespace ropepool::test::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
@@ -599,6 +679,7 @@ HWY_BEFORE_TEST(CpuTarget);
 HWY_EXPORT_AND_TEST_P(CpuTarget, E4M3OnEveryBoundary);
 HWY_EXPORT_AND_TEST_P(CpuTarget, CachesMatchReference);
 HWY_EXPORT_AND_TEST_P(CpuTarget, Fp8RowsAreTheRotation);
+HWY_EXPORT_AND_TEST_P(CpuTarget, MlaFp8KIsTheRotation);
 
 class CpuTargetShard : public hwy::TestWithParamTargetAndT<int> {};
 HWY_TARGET_INSTANTIATE_TEST_SUITE_P_T(CpuTargetShard, ::testing::Range(0, kDemoteShards));
