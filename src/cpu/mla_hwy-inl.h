@@ -136,7 +136,8 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
   // bfloat16 GPT-J k_pe rows of whole (even, odd) chunks into an fp8 cache rotate from the
   // plain tables too (RotateRowInterleavedBF16WithE4M3)
   const bool fused_k = kBF16 && kFp8Cache && gptj && R % (2 * N) == 0;
-  const bool il_tables = gptj && (!kBF16 || (kFp8Cache && !fused_k));  // RotateRowInterleaved / ToFloat
+  // (RotateRowInterleaved / RotateRowToFloat read the interleaved ones)
+  const bool il_tables = gptj && (!kBF16 || (kFp8Cache && !fused_k));
   const bool stream = kCanStream && plan.stream_stores;
   constexpr size_t es = sizeof(T);
   const size_t q_row_bytes = size_t(R) * es;
@@ -278,7 +279,8 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
       uint8_t* dst = slot < 0 ? nullptr : stream ? row_stage : cache_row(slot);
 #if HWY_TARGET != HWY_SCALAR
       if constexpr (kBF16) {
-        if (fused_k) RotateRowInterleavedBF16WithE4M3(k_x, k_dst, dst ? dst + L : nullptr, cos_t, sin_t, R, div);
+        if (fused_k)
+          RotateRowInterleavedBF16WithE4M3(k_x, k_dst, dst ? dst + L : nullptr, cos_t, sin_t, R, div);
       }
 #endif
       if (!fused_k) {

@@ -574,17 +574,18 @@ void mla_fp8_k_is_the_rotation(const char* target) {
         const int64_t slot = index_at(b.tensors.slots, t);
         for (int64_t d = 0; d < R; ++d) {
           const float k = float(load(f.tensors.k_out, t, d, 0));
-          if (float_to_bf16(k) != float_to_bf16(float(load(b.tensors.k_out, t, d, 0))) && ++bad <= 5)
-            ADD_FAILURE() << "R " << R << " token " << t << " k_pe_rot[" << d << "] = "
-                          << load(b.tensors.k_out, t, d, 0) << ", want bfloat16 of " << k;
+          const float k_bf16 = float(load(b.tensors.k_out, t, d, 0));
+          if (float_to_bf16(k) != float_to_bf16(k_bf16) && ++bad <= 5)
+            ADD_FAILURE() << "R " << R << " token " << t << " k_pe_rot[" << d << "] = " << k_bf16
+                          << ", want bfloat16 of " << k;
           if (slot < 0) continue;
           const uint8_t want = float_to_e4m3(k / scale);
           ++checked;
-          if ((cache_byte(b, slot, L + d) != want || cache_byte(f, slot, L + d) != want) && ++bad <= 5)
+          const uint8_t got = cache_byte(b, slot, L + d), got32 = cache_byte(f, slot, L + d);
+          if ((got != want || got32 != want) && ++bad <= 5)
             ADD_FAILURE() << "R " << R << " kv_scale " << kv_scale << " token " << t << " k " << d
-                          << ": bf16 call 0x" << std::hex << int(cache_byte(b, slot, L + d))
-                          << ", float32 call 0x" << int(cache_byte(f, slot, L + d)) << ", want 0x"
-                          << int(want) << std::dec;
+                          << ": bf16 call 0x" << std::hex << int(got) << ", float32 call 0x"
+                          << int(got32) << ", want 0x" << int(want) << std::dec;
         }
         for (int64_t d = 0; slot >= 0 && d < L; ++d)
           if (cache_byte(b, slot, d) != cache_byte(f, slot, d) && ++bad <= 5)
