@@ -937,6 +937,50 @@ HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t*
   if (pool && rotary_dim < head_dim)
     QuantizeRowBF16(x + rotary_dim, pool + rotary_dim, head_dim - rotary_dim, d, stream_pool);
 }
+
+// The same for GPT-J pairs, for a rotary_dim that is a multiple of 2N: each chunk's (even, odd)
+// registers are the pairs (a, b), rotated with the float32 operations of the generic
+// interleaved path (RotateRowToFloat: even = a*c - b*s, odd = b*c + a*s, the second product
+// rounded first) from the table in plain order; k_rot (`out`, may be null) rounded and stored
+// as DemoteRowTo stores it, the codes (`codes`: the k pool row, the fp8 q_rot row, MLA's k_pe
+// part of a cache row; may be null) quantised from the same registers. No interleaved tables
+// and no float32 row in between.
+HWY_INLINE void RotateRowInterleavedBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t* codes,
+                                                 const float* HWY_RESTRICT cos_t,
+                                                 const float* HWY_RESTRICT sin_t,
+                                                 int64_t rotary_dim, int64_t head_dim, bool stream,
+                                                 const Divisor& d) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const bool stream_here = stream && Aligned(out, size_t(2 * N) * sizeof(uint16_t));
+  // the codes in whole vectors of 4N: the rotated part and the rest start vector-aligned
+  const bool stream_codes =
+      stream && codes && rotary_dim % (4 * N) == 0 && Aligned(codes, size_t(4 * N));
+  auto chunk = [&](int64_t j, VU16& c) __attribute__((always_inline)) {
+    VF a, b;
+    LoadBF16EvenOdd(x + j, a, b);
+    const VF cs = hn::LoadU(df, cos_t + j / 2), sn = hn::LoadU(df, sin_t + j / 2);
+    const VF even = hn::MulSub(a, cs, hn::Mul(b, sn)), odd = hn::MulAdd(b, cs, hn::Mul(a, sn));
+    if (out) StoreU16(PackBF16EvenOdd(even, odd), out + j, stream_here);
+    if (codes) c = E4M3EvenOdd(df, Scaled(df, even, d), Scaled(df, odd, d));
+  };
+  VU16 c0, c1;
+  int64_t j = 0;
+  if (codes) {
+    for (; j + 4 * N <= rotary_dim; j += 4 * N) {
+      chunk(j, c0);
+      chunk(j + 2 * N, c1);
+      StoreE4M3Full(c0, c1, codes + j, stream_codes);
+    }
+  }
+  for (; j < rotary_dim; j += 2 * N) {
+    chunk(j, c0);
+    if (codes) StoreE4M3Half(c0, codes + j);
+  }
+  if (out) copy_pass_through(x, out, static_cast<uint16_t*>(nullptr), rotary_dim, head_dim);
+  if (codes && rotary_dim < head_dim)
+    QuantizeRowBF16(x + rotary_dim, codes + rotary_dim, head_dim - rotary_dim, d, stream_codes);
+}
 #endif
 
 // e4m3(x / scale) of a row as read (v, MLA's kv_c): bfloat16 rows through QuantizeRowBF16
@@ -954,11 +998,14 @@ HWY_INLINE void QuantizeInputRow(const typename E::T* in, uint8_t* out, int64_t 
 
 // kQuant: an fp8 pool and/or an fp8 q_rot (SPEC §6). Heads whose outputs are all in q's
 // dtype take the plain path; a k head with fp8 pools is rotated into a float32 row that is
-// rounded to q's dtype (k_rot: the plain path's bits) and quantised (the pool row), except a
-// bfloat16 half-split head of whole chunks, which does both from registers
-// (RotateRowBF16WithE4M3); an fp8 q_rot head is rotated and quantised in one pass (bfloat16
-// half-split heads of whole chunks through RotateRowBF16WithE4M3 too, without a bfloat16
-// row). Scale tensors are read here, when the kernel runs.
+// rounded to q's dtype (k_rot) and quantised (the pool row), except a bfloat16 head of whole
+// chunks, which does both from registers (RotateRowBF16WithE4M3, GPT-J pairs
+// RotateRowInterleavedBF16WithE4M3); an fp8 q_rot head is rotated and quantised in one pass
+// (bfloat16 heads of whole chunks through the same two, without a bfloat16 row). k_rot has the
+// plain path's bits except for bfloat16 GPT-J pairs, whose plain path rounds the other product
+// of the odd lane (RotateRowInterleavedBF16: a*s + round(b*c); here, as for float32 and float16,
+// b*c + round(a*s)), so the two can differ by one ulp near a tie. Scale tensors are read here,
+// when the kernel runs.
 #if HWY_TARGET != HWY_SCALAR
 // NormRow for bfloat16 through the permute-free (even, odd) split of the file comment: 2N
 // elements per step; `w` is in (even, odd) order per whole chunk of 2N (PermuteForBF16 over
@@ -1102,10 +1149,11 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     if (e4m3_stage.size() < size_t(D)) e4m3_stage.resize(size_t(D));
     if (kBF16) {
       // fp8-pool k heads and fp8 q_rot heads of whole (even, odd) chunks rotate straight
-      // from the bf16 tables
+      // from the bf16 tables (half-split: R/2 in chunks; GPT-J pairs: R)
       const int64_t chunk = 2 * static_cast<int64_t>(hn::Lanes(DF()));
-      fused_k = fp8_pool && !p.interleaved && (R / 2) % chunk == 0 && kEvenOddBF16;
-      fused_q = fp8_q && !p.interleaved && (R / 2) % chunk == 0 && kEvenOddBF16;
+      const bool whole = (p.interleaved ? R : R / 2) % chunk == 0 && kEvenOddBF16;
+      fused_k = fp8_pool && whole;
+      fused_q = fp8_q && whole;
       if (plain_table.size() < size_t(6 * n)) plain_table.resize(size_t(6 * n));
       cos_p = plain_table.data();
       sin_p = cos_p + n;
@@ -1177,13 +1225,15 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
       }
     }
     if constexpr (kQuant && kBF16) {
-      if (p.interleaved) {  // the bf16 GPT-J path reads cos_t/sin_t in plain order
+      if (!((fp8_q && !fused_q) || (fp8_pool && !fused_k))) {
+        // every fp8 row rotates from the bf16 tables
+      } else if (p.interleaved) {  // the bf16 GPT-J path reads cos_t/sin_t in plain order
         for (int64_t i = 0; i < n; ++i) {
           cos_pil[2 * i] = cos_pil[2 * i + 1] = cos_t[i];
           sin_pil[2 * i] = -sin_t[i];
           sin_pil[2 * i + 1] = sin_t[i];
         }
-      } else if ((fp8_q && !fused_q) || (fp8_pool && !fused_k)) {
+      } else {
         // undo PermuteForBF16 (cheaper than a second table)
         const int64_t N = static_cast<int64_t>(hn::Lanes(DF())), half = R / 2;
         int64_t i = 0;
@@ -1258,7 +1308,11 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
 #if HWY_TARGET != HWY_SCALAR
           if constexpr (kBF16) {
             if (fused_q) {
-              RotateRowBF16WithE4M3(x, nullptr, out, cos_t, sin_t, R, D, stream, q_div);
+              if (p.interleaved)
+                RotateRowInterleavedBF16WithE4M3(x, nullptr, out, cos_t, sin_t, R, D, stream,
+                                                 q_div);
+              else
+                RotateRowBF16WithE4M3(x, nullptr, out, cos_t, sin_t, R, D, stream, q_div);
               continue;
             }
           }
@@ -1282,7 +1336,12 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
               k_dst = reinterpret_cast<uint8_t*>(PoolRow(p.k_pool, page, page_row, kv, 1));
               v_dst = reinterpret_cast<uint8_t*>(PoolRow(p.v_pool, page, page_row, kv, 1));
             }
-            RotateRowBF16WithE4M3(x, row(p.k_out, t, kv), k_dst, cos_t, sin_t, R, D, stream, k_div);
+            if (p.interleaved)
+              RotateRowInterleavedBF16WithE4M3(x, row(p.k_out, t, kv), k_dst, cos_t, sin_t, R, D,
+                                               stream, k_div);
+            else
+              RotateRowBF16WithE4M3(x, row(p.k_out, t, kv), k_dst, cos_t, sin_t, R, D, stream,
+                                    k_div);
             if (v_dst) QuantizeRowBF16(row(p.v, t, kv), v_dst, D, v_div, stream);
             continue;
           }

@@ -97,29 +97,6 @@ constexpr int64_t kRowBatch = 16;
 constexpr int64_t kStageBytes = 2048;
 constexpr int64_t kPrefetchBytes = 4096;
 
-#if HWY_TARGET != HWY_SCALAR
-// A bfloat16 k_pe row of GPT-J pairs with an fp8 cache, R a multiple of 2N: rotated in (even,
-// odd) registers with the float32 operations of the generic interleaved path (RotateRowToFloat:
-// even = a*c - b*s, odd = b*c + a*s, the second product rounded first), k_pe_rot rounded and
-// stored as DemoteRowTo stores it, and the same registers quantised into `codes` (null: no
-// slot). No interleaved tables and no float32 row in between.
-HWY_INLINE void RotateRowInterleavedBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t* codes,
-                                                 const float* HWY_RESTRICT cos_t,
-                                                 const float* HWY_RESTRICT sin_t, int64_t R,
-                                                 const Divisor& d) {
-  const DF df;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  for (int64_t j = 0; j < R; j += 2 * N) {
-    VF a, b;
-    LoadBF16EvenOdd(x + j, a, b);
-    const VF c = hn::LoadU(df, cos_t + j / 2), s = hn::LoadU(df, sin_t + j / 2);
-    const VF even = hn::MulSub(a, c, hn::Mul(b, s)), odd = hn::MulAdd(b, c, hn::Mul(a, s));
-    StoreU16(PackBF16EvenOdd(even, odd), out + j, false);
-    if (codes) StoreE4M3Half(E4M3EvenOdd(df, Scaled(df, even, d), Scaled(df, odd, d)), codes + j);
-  }
-}
-#endif
-
 template <class E, bool kFp8Cache>
 void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
   using T = typename E::T;
@@ -280,7 +257,8 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
 #if HWY_TARGET != HWY_SCALAR
       if constexpr (kBF16) {
         if (fused_k)
-          RotateRowInterleavedBF16WithE4M3(k_x, k_dst, dst ? dst + L : nullptr, cos_t, sin_t, R, div);
+          RotateRowInterleavedBF16WithE4M3(k_x, k_dst, dst ? dst + L : nullptr, cos_t, sin_t, R, R,
+                                           false, div);
       }
 #endif
       if (!fused_k) {
