@@ -453,7 +453,8 @@ void write_json(const BenchConfig& cfg, const CopyResult& copy_before, const Cop
     << "  \"dtype\": \"" << dtype_name(cfg.dtype) << "\",\n  \"index_dtype\": \""
     << dtype_name(cfg.index_dtype) << "\",\n  \"num_qo_heads\": " << p.num_qo_heads
     << ",\n  \"num_kv_heads\": " << p.num_kv_heads << ",\n  \"head_dim\": " << p.head_dim
-    << ",\n  \"rope_base\": " << p.rope_base << ",\n"
+    << ",\n  \"rope_base\": " << p.rope_base
+    << ",\n  \"interleaved\": " << (p.interleaved ? "true" : "false") << ",\n"
     << "  \"memcpy_buffer_bytes\": " << copy_before.bytes << ",\n";
   for (const CopyResult* c : {&copy_before, &copy_after})
     f << "  \"memcpy_" << (c == &copy_before ? "before" : "after") << "\": {\"reps\": " << c->reps
@@ -541,6 +542,7 @@ options:
                      a machine whose load drifts affects every format alike
   --num-qo-heads N, --num-kv-heads N, --head-dim N, --rope-base X
                      a different attention shape
+  --interleaved      GPT-J pairs (x[2i], x[2i+1]) instead of half-split ones
   --qk-norm          SPEC §7: normalise every q and k head first (weights [head_dim] in the
                      input dtype, Qwen3's "rms" style); bytes include the two weights
   --mrope            SPEC §7: multimodal RoPE, positions [3, T] (Qwen2-VL's sections
@@ -605,6 +607,8 @@ int run_bench(Args& args) {
       if (cfg.params.head_dim % 2) throw UsageError{"--head-dim must be even"};
     } else if (o == "--rope-base") {
       cfg.params.rope_base = parse_double(o, args.value(o));
+    } else if (o == "--interleaved") {
+      cfg.params.interleaved = true;
     } else if (o == "--qk-norm") {
       cfg.qk_norm = true;
     } else if (o == "--mrope") {
@@ -687,9 +691,10 @@ int run_bench(Args& args) {
                  stage_prefix, load_at_start);
   std::printf(
       "workload: %s, num_qo_heads %lld, num_kv_heads %lld, head_dim %lld, rope_base %g, "
-      "%s positions/slots below 2^%d, ~%.0f%% slots -1\n",
+      "%s pairs, %s positions/slots below 2^%d, ~%.0f%% slots -1\n",
       dtype_name(cfg.dtype), (long long)p.num_qo_heads, (long long)p.num_kv_heads,
-      (long long)p.head_dim, p.rope_base, dtype_name(cfg.index_dtype),
+      (long long)p.head_dim, p.rope_base, p.interleaved ? "GPT-J" : "half-split",
+      dtype_name(cfg.index_dtype),
       int(std::log2(double(cfg.max_position))), cfg.skip_fraction * 100);
   if (formats.size() == 1)
     std::printf("pools: %s, kv_layout %s, page_size %lld; q_rot %s", dtype_name(cfg.pool_dtype),

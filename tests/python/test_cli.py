@@ -59,6 +59,20 @@ def test_bench_times_every_cache_format_in_one_run(tmp_path):
     assert len(rows) == 8 and sum("the first format's share" in line for line in rows) == 6
 
 
+def test_bench_gptj_pairs(tmp_path):
+    # --interleaved: the kernel rotates GPT-J pairs and the bench checks them as such (fp8 rows
+    # of bfloat16 heads take their own path)
+    out = tmp_path / "bench.json"
+    r = run_module("bench", "--threads", "2", "--tokens", "3", "--iters", "4", "--copy-mib", "1",
+                   "--rotate-mib", "1", "--pool-slots", "64", "--pool-dtype", "same,fp8",
+                   "--q-out-dtype", "fp8", "--interleaved", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "GPT-J pairs" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["interleaved"] is True
+    assert len(data["results"]) == 2 and all(x["verified"] for x in data["results"])
+
+
 @pytest.mark.parametrize("args, message", [
     (("--pool-dtype", "same,fp8,"), "--pool-dtype expects a comma-separated list, got 'same,fp8,'"),
     (("--kv-layout", "none,nhd"), "--kv-layout must be none, NHD or HND (or a list of them), got 'nhd'"),
