@@ -1225,15 +1225,17 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
       }
     }
     if constexpr (kQuant && kBF16) {
-      if (!((fp8_q && !fused_q) || (fp8_pool && !fused_k))) {
-        // every fp8 row rotates from the bf16 tables
-      } else if (p.interleaved) {  // the bf16 GPT-J path reads cos_t/sin_t in plain order
+      // Heads not of whole chunks take the float32 path, which reads its own tables: for
+      // GPT-J pairs the interleaved form of cos_t/sin_t (in plain order there), for
+      // half-split pairs cos_t/sin_t un-permuted.
+      const bool float32_rows = (fp8_q && !fused_q) || (fp8_pool && !fused_k);
+      if (float32_rows && p.interleaved) {
         for (int64_t i = 0; i < n; ++i) {
           cos_pil[2 * i] = cos_pil[2 * i + 1] = cos_t[i];
           sin_pil[2 * i] = -sin_t[i];
           sin_pil[2 * i + 1] = sin_t[i];
         }
-      } else {
+      } else if (float32_rows) {
         // undo PermuteForBF16 (cheaper than a second table)
         const int64_t N = static_cast<int64_t>(hn::Lanes(DF())), half = R / 2;
         int64_t i = 0;
