@@ -1151,7 +1151,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
       // fp8-pool k heads and fp8 q_rot heads of whole (even, odd) chunks rotate straight
       // from the bf16 tables (half-split: R/2 in chunks; GPT-J pairs: R)
       const int64_t chunk = 2 * static_cast<int64_t>(hn::Lanes(DF()));
-      const bool whole = (p.interleaved ? R : R / 2) % chunk == 0 && kEvenOddBF16;
+      const bool whole = (p.interleaved ? R : R / 2) % chunk == 0;
       fused_k = fp8_pool && whole;
       fused_q = fp8_q && whole;
       if (plain_table.size() < size_t(6 * n)) plain_table.resize(size_t(6 * n));
@@ -1264,6 +1264,17 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
           RotateRow<E>(x, out, out2, cos_t, sin_t, R, D, stream);
       }
     };
+#if HWY_TARGET != HWY_SCALAR
+    // A bfloat16 head of whole (even, odd) chunks (fused_k, fused_q): k_rot (`out`, may be
+    // null) and the e4m3 row (`codes`) from the same registers.
+    [[maybe_unused]] auto rotate_e4m3 = [&](const uint16_t* x, uint16_t* out, uint8_t* codes,
+                                            const Divisor& d) __attribute__((always_inline)) {
+      if (p.interleaved)
+        RotateRowInterleavedBF16WithE4M3(x, out, codes, cos_t, sin_t, R, D, stream, d);
+      else
+        RotateRowBF16WithE4M3(x, out, codes, cos_t, sin_t, R, D, stream, d);
+    };
+#endif
     const int64_t slot = written_slot(t);
     // SPEC §7: a normalised head is rotated from the scratch row. First the sums of
     // squares of all the block's normalised heads of the token (independent, so they
@@ -1310,11 +1321,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
 #if HWY_TARGET != HWY_SCALAR
           if constexpr (kBF16) {
             if (fused_q) {
-              if (p.interleaved)
-                RotateRowInterleavedBF16WithE4M3(x, nullptr, out, cos_t, sin_t, R, D, stream,
-                                                 q_div);
-              else
-                RotateRowBF16WithE4M3(x, nullptr, out, cos_t, sin_t, R, D, stream, q_div);
+              rotate_e4m3(x, nullptr, out, q_div);
               continue;
             }
           }
@@ -1338,12 +1345,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
               k_dst = reinterpret_cast<uint8_t*>(PoolRow(p.k_pool, page, page_row, kv, 1));
               v_dst = reinterpret_cast<uint8_t*>(PoolRow(p.v_pool, page, page_row, kv, 1));
             }
-            if (p.interleaved)
-              RotateRowInterleavedBF16WithE4M3(x, row(p.k_out, t, kv), k_dst, cos_t, sin_t, R, D,
-                                               stream, k_div);
-            else
-              RotateRowBF16WithE4M3(x, row(p.k_out, t, kv), k_dst, cos_t, sin_t, R, D, stream,
-                                    k_div);
+            rotate_e4m3(x, row(p.k_out, t, kv), k_dst, k_div);
             if (v_dst) QuantizeRowBF16(row(p.v, t, kv), v_dst, D, v_div, stream);
             continue;
           }
