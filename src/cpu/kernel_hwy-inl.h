@@ -608,6 +608,9 @@ HWY_INLINE hn::Vec<DU8> ToE4M3(DF df, VF v20) { return hn::TruncateTo(DU8(), E4M
 // bits rounded to 3 mantissa bits (to nearest even) with the exponent rebiased. The range of k
 // keeps 448 * scale and 2^-6 * scale normal bfloat16 numbers and every bfloat16 subnormal x
 // below half of e4m3's least subnormal after the scale.
+// The row functions take it by value: a local copy, which the byte stores of the codes cannot
+// alias, so its fields stay in registers (through a reference they were reloaded and tested
+// again after every store).
 struct Divisor {
   float scale = 1.0f;
   float divisor20 = 1.0f / kE4M3Pre, reciprocal20 = kE4M3Pre;  // scale * 2^-20, 2^20 / scale
@@ -644,73 +647,6 @@ HWY_INLINE VF Scaled(DF df, VF x, const Divisor& d) {
                             : hn::Div(x, hn::Set(df, d.divisor20));
 }
 
-// out[i] = e4m3(in[i] / scale) for a float32 row (the rotated values) or, with E, a row of
-// q's dtype (v).
-template <class E>
-HWY_INLINE void QuantizeRow(const typename E::T* in, uint8_t* out, int64_t n, const Divisor& d) {
-  const DF df;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  int64_t i = 0;
-  for (; i + N <= n; i += N)
-    hn::StoreU(ToE4M3(df, Scaled(df, E::load(df, in + i), d)), DU8(), out + i);
-  for (; i < n; ++i) out[i] = float_to_e4m3(E::scalar_load(in[i]) / d.scale);
-}
-
-// One head rotated into float32 (before rounding to q's dtype): f[0, R) rotated with the
-// same float32 operations as RotateRow / RotateRowInterleaved, f[R, D) the input as read.
-template <class E>
-HWY_INLINE void RotateRowToFloat(const typename E::T* x, float* HWY_RESTRICT f,
-                                 const float* HWY_RESTRICT cos_t, const float* HWY_RESTRICT sin_t,
-                                 const float* HWY_RESTRICT cos_il, const float* HWY_RESTRICT sin_il,
-                                 int64_t rotary_dim, int64_t head_dim, bool interleaved) {
-  const DF df;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  int64_t i = 0;
-  if (interleaved) {
-#if HWY_TARGET != HWY_SCALAR
-    for (; i + N <= rotary_dim; i += N) {
-      const VF v = E::load(df, x + i);
-      hn::StoreU(hn::MulAdd(v, hn::LoadU(df, cos_il + i),
-                            hn::Mul(hn::Reverse2(df, v), hn::LoadU(df, sin_il + i))),
-                 df, f + i);
-    }
-#endif
-    for (; i < rotary_dim; i += 2) {
-      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + 1]);
-      const float c = cos_il[i], s = sin_il[i + 1];
-      f[i] = a * c - b * s;
-      f[i + 1] = a * s + b * c;
-    }
-  } else {
-    const int64_t half = rotary_dim / 2;
-    for (; i + N <= half; i += N) {
-      const VF a = E::load(df, x + i), b = E::load(df, x + half + i);
-      const VF c = hn::LoadU(df, cos_t + i), s = hn::LoadU(df, sin_t + i);
-      hn::StoreU(hn::MulSub(a, c, hn::Mul(b, s)), df, f + i);
-      hn::StoreU(hn::MulAdd(a, s, hn::Mul(b, c)), df, f + half + i);
-    }
-    for (; i < half; ++i) {
-      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + half]);
-      f[i] = a * cos_t[i] - b * sin_t[i];
-      f[i + half] = a * sin_t[i] + b * cos_t[i];
-    }
-  }
-  i = rotary_dim;
-  for (; i + N <= head_dim; i += N) hn::StoreU(E::load(df, x + i), df, f + i);
-  for (; i < head_dim; ++i) f[i] = E::scalar_load(x[i]);
-}
-
-// A float32 row rounded once to q's dtype.
-template <class E>
-HWY_INLINE void DemoteRowTo(const float* f, typename E::T* out, int64_t n, bool stream) {
-  const DF df;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  stream = stream && Aligned(out, size_t(N) * sizeof(typename E::T));
-  int64_t i = 0;
-  for (; i + N <= n; i += N) StoreVec<E>(df, hn::LoadU(df, f + i), out + i, stream);
-  for (; i < n; ++i) out[i] = E::scalar_store(f[i]);
-}
-
 HWY_INLINE float ScaleValue(const Scale& s) { return s.ptr ? *s.ptr : s.value; }
 
 // A kv slot's address in a pool of element size `elem` (SPEC §6 paging; 3-D pools are
@@ -720,70 +656,34 @@ HWY_INLINE char* PoolRow(const PoolRows& r, int64_t page, int64_t row, int64_t h
          (page * r.page_stride + row * r.row_stride + head * r.head_stride) * int64_t(elem);
 }
 
-// One head rotated and quantised straight to e4m3 (fp8 q_rot): the rotation of
-// RotateRowToFloat, each vector divided by the scale and converted without a float32 row in
-// between; the pass-through elements quantised as read.
-template <class E>
-HWY_INLINE void RotateRowToE4M3(const typename E::T* x, uint8_t* out, const float* HWY_RESTRICT cos_t,
-                                const float* HWY_RESTRICT sin_t, const float* HWY_RESTRICT cos_il,
-                                const float* HWY_RESTRICT sin_il, int64_t rotary_dim,
-                                int64_t head_dim, bool interleaved, const Divisor& d) {
-  const DF df;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  int64_t i = 0;
-  if (interleaved) {
-#if HWY_TARGET != HWY_SCALAR
-    for (; i + N <= rotary_dim; i += N) {
-      const VF v = E::load(df, x + i);
-      const VF r = hn::MulAdd(v, hn::LoadU(df, cos_il + i),
-                              hn::Mul(hn::Reverse2(df, v), hn::LoadU(df, sin_il + i)));
-      hn::StoreU(ToE4M3(df, Scaled(df, r, d)), DU8(), out + i);
-    }
-#endif
-    for (; i < rotary_dim; i += 2) {
-      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + 1]);
-      const float c = cos_il[i], s = sin_il[i + 1];
-      out[i] = float_to_e4m3((a * c - b * s) / d.scale);
-      out[i + 1] = float_to_e4m3((a * s + b * c) / d.scale);
-    }
+// The e4m3 codes (E4M3Code) of two vectors at once. Magnitudes beyond 448 (after the scale)
+// and NaN are rare: one test for both vectors (their larger |bits|), and only then the clamp
+// and NaN's code (E4M3Code); otherwise E4M3CodeInRange alone: no clamp, NaN compare or
+// select, for a maximum and a compare per pair.
+HWY_INLINE void E4M3Codes2(DF df, VF v0, VF v1, hn::Vec<DU32>& c0, hn::Vec<DU32>& c1) {
+  const DU32 du32;
+  const auto u0 = hn::BitCast(du32, v0), u1 = hn::BitCast(du32, v1);
+  const auto abs0 = hn::And(u0, hn::Set(du32, 0x7fffffffu));
+  const auto abs1 = hn::And(u1, hn::Set(du32, 0x7fffffffu));
+  // |bits| < 2^31: a signed compare (one instruction on AVX2, which has no unsigned one)
+  const hn::RebindToSigned<DF> di32;
+  const auto larger = hn::BitCast(di32, hn::Max(abs0, abs1));
+  if (HWY_UNLIKELY(!hn::AllFalse(di32, hn::Gt(larger, hn::Set(di32, int32_t(kE4M3MaxBits)))))) {
+    c0 = E4M3Code(df, v0);
+    c1 = E4M3Code(df, v1);
   } else {
-    const int64_t half = rotary_dim / 2;
-    for (; i + N <= half; i += N) {
-      const VF a = E::load(df, x + i), b = E::load(df, x + half + i);
-      const VF c = hn::LoadU(df, cos_t + i), s = hn::LoadU(df, sin_t + i);
-      hn::StoreU(ToE4M3(df, Scaled(df, hn::MulSub(a, c, hn::Mul(b, s)), d)), DU8(), out + i);
-      hn::StoreU(ToE4M3(df, Scaled(df, hn::MulAdd(a, s, hn::Mul(b, c)), d)), DU8(), out + half + i);
-    }
-    for (; i < half; ++i) {
-      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + half]);
-      out[i] = float_to_e4m3((a * cos_t[i] - b * sin_t[i]) / d.scale);
-      out[i + half] = float_to_e4m3((a * sin_t[i] + b * cos_t[i]) / d.scale);
-    }
+    c0 = E4M3CodeInRange(df, abs0, hn::ShiftRight<24>(u0));
+    c1 = E4M3CodeInRange(df, abs1, hn::ShiftRight<24>(u1));
   }
-  if (rotary_dim < head_dim) QuantizeRow<E>(x + rotary_dim, out + rotary_dim, head_dim - rotary_dim, d);
 }
 
 #if HWY_TARGET != HWY_SCALAR
 // The e4m3 codes of 2N elements held as (even, odd) float vectors (the bf16 split of the file
 // comment), in memory order: lane j's code pair (even | odd << 8) truncated to 16 bits is
 // bytes 2j and 2j + 1 (half a vector of bytes).
-// Magnitudes beyond 448 (after the scale) and NaN are rare: one test for both vectors (their
-// larger |bits|), and only then the clamp and NaN's code (E4M3Code); otherwise
-// E4M3CodeInRange alone: no clamp, NaN compare or select, for a maximum and a compare per pair.
 HWY_INLINE VU16 E4M3EvenOdd(DF df, VF even, VF odd) {
-  const DU32 du32;
-  const auto ue = hn::BitCast(du32, even), uo = hn::BitCast(du32, odd);
-  const auto abs_e = hn::And(ue, hn::Set(du32, 0x7fffffffu));
-  const auto abs_o = hn::And(uo, hn::Set(du32, 0x7fffffffu));
   hn::Vec<DU32> code_e, code_o;
-  const auto larger = hn::Max(abs_e, abs_o);
-  if (HWY_UNLIKELY(!hn::AllFalse(du32, hn::Gt(larger, hn::Set(du32, kE4M3MaxBits))))) {
-    code_e = E4M3Code(df, even);
-    code_o = E4M3Code(df, odd);
-  } else {
-    code_e = E4M3CodeInRange(df, abs_e, hn::ShiftRight<24>(ue));
-    code_o = E4M3CodeInRange(df, abs_o, hn::ShiftRight<24>(uo));
-  }
+  E4M3Codes2(df, even, odd, code_e, code_o);
   return hn::TruncateTo(DU16(), hn::Or(code_e, hn::ShiftLeft<8>(code_o)));
 }
 
@@ -806,6 +706,197 @@ HWY_INLINE void StoreE4M3Full(VU16 lower, VU16 upper, uint8_t* p, bool stream) {
   (void)stream;
   hn::StoreU(bytes, DU8Full(), p);
 }
+
+// The codes of 4N elements in memory order, four vectors of E4M3Code results c0..c3 (a code
+// per 32-bit lane, 0 to 255), in one full vector, built in two steps so that fewer vectors
+// are live: PackE4M3Codes2(c0, c1) and (c2, c3), then StoreE4M3Codes4 (non-temporal where
+// `stream`, p vector-aligned). On x86 with saturating packs per 128-bit block, 32 -> 16 bits
+// (c0 | c1, c2 | c3) and 16 -> 8 bits: block b then holds the codes of lanes 4b to 4b + 3 of
+// c0, c1, c2 and c3, one 32-bit word each, and one permutation of the words puts c0's first
+// (word 4b + k goes to k * N/4 + b). Elsewhere each vector is truncated to bytes, two by two.
+#if HWY_ARCH_X86 && HWY_TARGET != HWY_EMU128
+using PackedCodes = hn::Vec<hn::Repartition<int16_t, DF>>;
+HWY_INLINE PackedCodes PackE4M3Codes2(hn::Vec<DU32> c0, hn::Vec<DU32> c1) {
+  const hn::Repartition<int32_t, DF> di32;
+  return hn::ReorderDemote2To(hn::Repartition<int16_t, DF>(), hn::BitCast(di32, c0),
+                              hn::BitCast(di32, c1));
+}
+HWY_INLINE void StoreE4M3Codes4(PackedCodes p01, PackedCodes p23, uint8_t* p, bool stream) {
+#if HWY_TARGET <= HWY_AVX3
+  hn::Vec<DU8Full> bytes{_mm512_packus_epi16(p01.raw, p23.raw)};
+#elif HWY_TARGET == HWY_AVX2
+  hn::Vec<DU8Full> bytes{_mm256_packus_epi16(p01.raw, p23.raw)};
+#else
+  hn::Vec<DU8Full> bytes{_mm_packus_epi16(p01.raw, p23.raw)};
+#endif
+  constexpr size_t kBlocks = hn::MaxLanes(DF()) / 4;
+  if constexpr (kBlocks > 1) {
+    alignas(64) static constexpr int32_t kWords4[16] = {0, 4, 8, 12, 1, 5, 9, 13,
+                                                        2, 6, 10, 14, 3, 7, 11, 15};
+    alignas(32) static constexpr int32_t kWords2[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+    const DU32 du32;
+    const auto order = hn::SetTableIndices(du32, kBlocks == 4 ? kWords4 : kWords2);
+    bytes = hn::BitCast(DU8Full(), hn::TableLookupLanes(hn::BitCast(du32, bytes), order));
+  }
+  if constexpr (kCanStream) {
+    if (stream) return hn::Stream(bytes, DU8Full(), p);
+  }
+  (void)stream;
+  hn::StoreU(bytes, DU8Full(), p);
+}
+#else
+using PackedCodes = VU16;
+HWY_INLINE PackedCodes PackE4M3Codes2(hn::Vec<DU32> c0, hn::Vec<DU32> c1) {
+  const hn::Repartition<uint8_t, DU16> d8;  // 2N bytes, the size of a VU16
+  return hn::BitCast(DU16(), hn::Combine(d8, hn::TruncateTo(DU8(), c1), hn::TruncateTo(DU8(), c0)));
+}
+HWY_INLINE void StoreE4M3Codes4(PackedCodes p01, PackedCodes p23, uint8_t* p, bool stream) {
+  StoreE4M3Full(p01, p23, p, stream);
+}
+#endif
+#endif
+
+// out[i] = e4m3(in[i] / scale) for a row of E's dtype (v, MLA's kv_c, the pass-through part of
+// a head) or a float32 row: 4N elements per step stored as one vector (non-temporal where
+// `stream` and `out` is vector-aligned), then N, then the rest (scalar).
+template <class E>
+HWY_INLINE void QuantizeRow(const typename E::T* in, uint8_t* out, int64_t n, Divisor d,
+                            bool stream = false) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+#if HWY_TARGET != HWY_SCALAR
+  stream = stream && Aligned(out, size_t(4 * N));
+  for (; i + 4 * N <= n; i += 4 * N) {
+    auto packed = [&](int64_t at) {
+      hn::Vec<DU32> c0, c1;
+      E4M3Codes2(df, Scaled(df, E::load(df, in + at), d), Scaled(df, E::load(df, in + at + N), d),
+                 c0, c1);
+      return PackE4M3Codes2(c0, c1);
+    };
+    StoreE4M3Codes4(packed(i), packed(i + 2 * N), out + i, stream);
+  }
+#endif
+  (void)stream;
+  for (; i + N <= n; i += N)
+    hn::StoreU(ToE4M3(df, Scaled(df, E::load(df, in + i), d)), DU8(), out + i);
+  for (; i < n; ++i) out[i] = float_to_e4m3(E::scalar_load(in[i]) / d.scale);
+}
+
+// One head of E's dtype rotated once in float32, with the operations of RotateRow (half-split
+// pairs, cos_t/sin_t in plain order) or RotateRowInterleaved (GPT-J pairs, the interleaved
+// tables cos_il/sin_il), and from the same registers: k_rot rounded to E's dtype (`out`, may be
+// null) and the rotated values divided by the scale and quantised (`codes`: the k pool row, an
+// fp8 q_rot row, MLA's k_pe part of a cache row; may be null), four vectors of codes per store.
+// No float32 row in between; the pass-through elements are copied and quantised as read.
+// `stream`: non-temporal stores where every store of a row lands vector-aligned.
+template <class E>
+HWY_INLINE void RotateRowWithE4M3(const typename E::T* x, typename E::T* out, uint8_t* codes,
+                                  const float* HWY_RESTRICT cos_t, const float* HWY_RESTRICT sin_t,
+                                  const float* HWY_RESTRICT cos_il,
+                                  const float* HWY_RESTRICT sin_il, int64_t rotary_dim,
+                                  int64_t head_dim, bool interleaved, bool stream,
+                                  Divisor d) {
+  using T = typename E::T;
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  // the length of a run of consecutive results: each half, or the whole rotated part
+  const int64_t run = interleaved ? rotary_dim : rotary_dim / 2;
+  const size_t vec_bytes = size_t(N) * sizeof(T);
+  const bool stream_out = stream && out && size_t(run) * sizeof(T) % vec_bytes == 0 &&
+                          Aligned(out, vec_bytes);
+  const bool stream_codes = stream && codes && run % (4 * N) == 0 && Aligned(codes, size_t(4 * N));
+  (void)stream_codes;
+  auto store = [&](VF r, int64_t at) __attribute__((always_inline)) {
+    if (out) StoreVec<E>(df, r, out + at, stream_out);
+  };
+  int64_t i = 0;
+  if (interleaved) {
+#if HWY_TARGET != HWY_SCALAR  // one-lane vectors hold no pair
+    auto step = [&](int64_t j) __attribute__((always_inline)) {
+      const VF v = E::load(df, x + j);
+      const VF r = hn::MulAdd(v, hn::LoadU(df, cos_il + j),
+                              hn::Mul(hn::Reverse2(df, v), hn::LoadU(df, sin_il + j)));
+      store(r, j);
+      return Scaled(df, r, d);
+    };
+    if (codes) {
+      auto packed = [&](int64_t j) __attribute__((always_inline)) {
+        hn::Vec<DU32> c0, c1;
+        E4M3Codes2(df, step(j), step(j + N), c0, c1);
+        return PackE4M3Codes2(c0, c1);
+      };
+      for (; i + 4 * N <= run; i += 4 * N)
+        StoreE4M3Codes4(packed(i), packed(i + 2 * N), codes + i, stream_codes);
+    }
+    for (; i + N <= run; i += N) {
+      const VF r = step(i);
+      if (codes) hn::StoreU(ToE4M3(df, r), DU8(), codes + i);
+    }
+#endif
+    for (; i < run; i += 2) {  // i is even here: vectors hold whole pairs
+      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + 1]);
+      const float c = cos_il[i], s = sin_il[i + 1];
+      const float lo = a * c - b * s, hi = a * s + b * c;
+      if (out) out[i] = E::scalar_store(lo), out[i + 1] = E::scalar_store(hi);
+      if (codes) codes[i] = float_to_e4m3(lo / d.scale), codes[i + 1] = float_to_e4m3(hi / d.scale);
+    }
+  } else {
+    // pair i: the scaled results for the codes of [i, i + N) and [run + i, run + i + N)
+    auto step = [&](int64_t at, VF& lo, VF& hi) __attribute__((always_inline)) {
+      const VF a = E::load(df, x + at), b = E::load(df, x + run + at);
+      const VF c = hn::LoadU(df, cos_t + at), s = hn::LoadU(df, sin_t + at);
+      lo = hn::MulSub(a, c, hn::Mul(b, s));  // a*cos - b*sin
+      hi = hn::MulAdd(a, s, hn::Mul(b, c));  // a*sin + b*cos
+      store(lo, at);
+      store(hi, run + at);
+      lo = Scaled(df, lo, d);
+      hi = Scaled(df, hi, d);
+    };
+#if HWY_TARGET != HWY_SCALAR
+    if (codes) {
+      // pairs at and at + N: the packed codes of both halves
+      auto packed = [&](int64_t at, PackedCodes& lo, PackedCodes& hi)
+                        __attribute__((always_inline)) {
+        VF l0, h0, l1, h1;
+        step(at, l0, h0);
+        step(at + N, l1, h1);
+        hn::Vec<DU32> cl0, ch0, cl1, ch1;
+        E4M3Codes2(df, l0, h0, cl0, ch0);
+        E4M3Codes2(df, l1, h1, cl1, ch1);
+        lo = PackE4M3Codes2(cl0, cl1);
+        hi = PackE4M3Codes2(ch0, ch1);
+      };
+      for (; i + 4 * N <= run; i += 4 * N) {
+        PackedCodes lo01, hi01, lo23, hi23;
+        packed(i, lo01, hi01);
+        packed(i + 2 * N, lo23, hi23);
+        StoreE4M3Codes4(lo01, lo23, codes + i, stream_codes);
+        StoreE4M3Codes4(hi01, hi23, codes + run + i, stream_codes);
+      }
+    }
+#endif
+    for (; i + N <= run; i += N) {
+      VF lo, hi;
+      step(i, lo, hi);
+      if (codes) {
+        hn::StoreU(ToE4M3(df, lo), DU8(), codes + i);
+        hn::StoreU(ToE4M3(df, hi), DU8(), codes + run + i);
+      }
+    }
+    for (; i < run; ++i) {  // when R/2 is not a multiple of the vector length
+      const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + run]);
+      const float lo = a * cos_t[i] - b * sin_t[i], hi = a * sin_t[i] + b * cos_t[i];
+      if (out) out[i] = E::scalar_store(lo), out[i + run] = E::scalar_store(hi);
+      if (codes) codes[i] = float_to_e4m3(lo / d.scale), codes[i + run] = float_to_e4m3(hi / d.scale);
+    }
+  }
+  if (out) copy_pass_through(x, out, static_cast<T*>(nullptr), rotary_dim, head_dim);
+  if (codes && rotary_dim < head_dim)
+    QuantizeRow<E>(x + rotary_dim, codes + rotary_dim, head_dim - rotary_dim, d);
+}
+
+#if HWY_TARGET != HWY_SCALAR
 
 // The e4m3 codes of 2N bfloat16 values h divided by the Divisor's scale 2^-k (d.bf16_bits), on
 // 16-bit lanes, in memory order (bytes 2j and 2j + 1 of the result are the codes of h's lanes 2j
@@ -852,7 +943,7 @@ HWY_INLINE VU16 BF16E4M3Codes(VU16Full h, VU16Full max, VU16Full bias, VU16Full 
 // QuantizeRow for a bfloat16 row (v, MLA's kv_c): 4N elements per step, on 16-bit lanes
 // (BF16E4M3Codes) where the scale allows, else through the even/odd split (the stores
 // non-temporal where `stream` and `out` is vector-aligned), then 2N, then the rest (scalar).
-HWY_INLINE void QuantizeRowBF16(const uint16_t* in, uint8_t* out, int64_t n, const Divisor& d,
+HWY_INLINE void QuantizeRowBF16(const uint16_t* in, uint8_t* out, int64_t n, Divisor d,
                                 bool stream) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
@@ -893,7 +984,7 @@ HWY_INLINE void QuantizeRowBF16(const uint16_t* in, uint8_t* out, int64_t n, con
 HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t* pool,
                                       const float* HWY_RESTRICT cos_t,
                                       const float* HWY_RESTRICT sin_t, int64_t rotary_dim,
-                                      int64_t head_dim, bool stream, const Divisor& d) {
+                                      int64_t head_dim, bool stream, Divisor d) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const int64_t half = rotary_dim / 2;
@@ -940,16 +1031,16 @@ HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t*
 
 // The same for GPT-J pairs, for a rotary_dim that is a multiple of 2N: each chunk's (even, odd)
 // registers are the pairs (a, b), rotated with the float32 operations of the generic
-// interleaved path (RotateRowToFloat: even = a*c - b*s, odd = b*c + a*s, the second product
+// interleaved path (RotateRowWithE4M3: even = a*c - b*s, odd = b*c + a*s, the second product
 // rounded first) from the table in plain order; k_rot (`out`, may be null) rounded and stored
-// as DemoteRowTo stores it, the codes (`codes`: the k pool row, the fp8 q_rot row, MLA's k_pe
+// as RotateRowWithE4M3 stores it, the codes (`codes`: the k pool row, the fp8 q_rot row, MLA's k_pe
 // part of a cache row; may be null) quantised from the same registers. No interleaved tables
 // and no float32 row in between.
 HWY_INLINE void RotateRowInterleavedBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t* codes,
                                                  const float* HWY_RESTRICT cos_t,
                                                  const float* HWY_RESTRICT sin_t,
                                                  int64_t rotary_dim, int64_t head_dim, bool stream,
-                                                 const Divisor& d) {
+                                                 Divisor d) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const bool stream_here = stream && Aligned(out, size_t(2 * N) * sizeof(uint16_t));
@@ -984,24 +1075,26 @@ HWY_INLINE void RotateRowInterleavedBF16WithE4M3(const uint16_t* x, uint16_t* ou
 #endif
 
 // e4m3(x / scale) of a row as read (v, MLA's kv_c): bfloat16 rows through QuantizeRowBF16
-// where vectors hold pairs, every other row through QuantizeRow.
+// where vectors hold pairs, every other row through QuantizeRow; non-temporal stores where
+// `stream` and `out` is vector-aligned.
 template <class E>
-HWY_INLINE void QuantizeInputRow(const typename E::T* in, uint8_t* out, int64_t n, const Divisor& d) {
+HWY_INLINE void QuantizeInputRow(const typename E::T* in, uint8_t* out, int64_t n, Divisor d,
+                                 bool stream = false) {
 #if HWY_TARGET != HWY_SCALAR
   if constexpr (std::is_same_v<E, BFloat16>) {
-    QuantizeRowBF16(in, out, n, d, false);
+    QuantizeRowBF16(in, out, n, d, stream);
     return;
   }
 #endif
-  QuantizeRow<E>(in, out, n, d);
+  QuantizeRow<E>(in, out, n, d, stream);
 }
 
 // kQuant: an fp8 pool and/or an fp8 q_rot (SPEC §6). Heads whose outputs are all in q's
-// dtype take the plain path; a k head with fp8 pools is rotated into a float32 row that is
-// rounded to q's dtype (k_rot) and quantised (the pool row), except a bfloat16 head of whole
-// chunks, which does both from registers (RotateRowBF16WithE4M3, GPT-J pairs
-// RotateRowInterleavedBF16WithE4M3); an fp8 q_rot head is rotated and quantised in one pass
-// (bfloat16 heads of whole chunks through the same two, without a bfloat16 row). k_rot has the
+// dtype take the plain path; a k head with fp8 pools is rotated once, and k_rot (rounded to
+// q's dtype) and the pool row (quantised) come from the same registers: RotateRowWithE4M3, or
+// for a bfloat16 head of whole chunks RotateRowBF16WithE4M3 (GPT-J pairs
+// RotateRowInterleavedBF16WithE4M3); an fp8 q_rot head goes through the same functions
+// without a row in q's dtype. k_rot has the
 // plain path's bits except for bfloat16 GPT-J pairs, whose plain path rounds the other product
 // of the odd lane (RotateRowInterleavedBF16: a*s + round(b*c); here, as for float32 and float16,
 // b*c + round(a*s)), so the two can differ by one ulp near a tie. Scale tensors are read here,
@@ -1129,14 +1222,9 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
   const float scale = static_cast<float>(p.attention_scaling);
   const bool stream = plan.stream_stores;
   // kQuant: tables in plain order, interleaved ones duplicated (the bf16 paths keep their
-  // own), and one float32 row.
+  // own).
   float *cos_p = cos_t, *sin_p = sin_t, *cos_pil = cos_il, *sin_pil = sin_il;
-  thread_local std::vector<float> plain_table, rotated;
-  // Large calls (stream) write e4m3 rows with non-temporal stores as well: on the float32-row
-  // path each row is quantised into this staging row (it stays in L1) and then streamed out,
-  // so its lines are not read for ownership first (RotateRowBF16WithE4M3 streams from
-  // registers).
-  thread_local std::vector<uint8_t> e4m3_stage;
+  thread_local std::vector<float> plain_table;
   bool fp8_pool = false, fp8_q = false, fused_k = false, fused_q = false;
   Divisor k_div(1.0f), v_div(1.0f), q_div(1.0f);
   if constexpr (kQuant) {
@@ -1145,8 +1233,6 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     k_div = Divisor(ScaleValue(p.k_scale));
     v_div = Divisor(ScaleValue(p.v_scale));
     q_div = Divisor(ScaleValue(p.q_scale));
-    if (rotated.size() < size_t(D)) rotated.resize(size_t(D));
-    if (e4m3_stage.size() < size_t(D)) e4m3_stage.resize(size_t(D));
     if (kBF16) {
       // fp8-pool k heads and fp8 q_rot heads of whole (even, odd) chunks rotate straight
       // from the bf16 tables (half-split: R/2 in chunks; GPT-J pairs: R)
@@ -1225,17 +1311,17 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
       }
     }
     if constexpr (kQuant && kBF16) {
-      // Heads not of whole chunks take the float32 path, which reads its own tables: for
+      // Heads not of whole chunks take RotateRowWithE4M3, which reads its own tables: for
       // GPT-J pairs the interleaved form of cos_t/sin_t (in plain order there), for
       // half-split pairs cos_t/sin_t un-permuted.
-      const bool float32_rows = (fp8_q && !fused_q) || (fp8_pool && !fused_k);
-      if (float32_rows && p.interleaved) {
+      const bool generic_rows = (fp8_q && !fused_q) || (fp8_pool && !fused_k);
+      if (generic_rows && p.interleaved) {
         for (int64_t i = 0; i < n; ++i) {
           cos_pil[2 * i] = cos_pil[2 * i + 1] = cos_t[i];
           sin_pil[2 * i] = -sin_t[i];
           sin_pil[2 * i + 1] = sin_t[i];
         }
-      } else if (float32_rows) {
+      } else if (generic_rows) {
         // undo PermuteForBF16 (cheaper than a second table)
         const int64_t N = static_cast<int64_t>(hn::Lanes(DF())), half = R / 2;
         int64_t i = 0;
@@ -1264,17 +1350,25 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
           RotateRow<E>(x, out, out2, cos_t, sin_t, R, D, stream);
       }
     };
+    // A head rotated once into k_rot (`out`, may be null) and an e4m3 row (`codes`, may be
+    // null) from the same registers; `fused`: a bfloat16 head of whole (even, odd) chunks.
+    [[maybe_unused]] auto rotate_e4m3 = [&](const T* x, T* out, uint8_t* codes, const Divisor& d,
+                                            bool fused) __attribute__((always_inline)) {
 #if HWY_TARGET != HWY_SCALAR
-    // A bfloat16 head of whole (even, odd) chunks (fused_k, fused_q): k_rot (`out`, may be
-    // null) and the e4m3 row (`codes`) from the same registers.
-    [[maybe_unused]] auto rotate_e4m3 = [&](const uint16_t* x, uint16_t* out, uint8_t* codes,
-                                            const Divisor& d) __attribute__((always_inline)) {
-      if (p.interleaved)
-        RotateRowInterleavedBF16WithE4M3(x, out, codes, cos_t, sin_t, R, D, stream, d);
-      else
-        RotateRowBF16WithE4M3(x, out, codes, cos_t, sin_t, R, D, stream, d);
-    };
+      if constexpr (kBF16) {
+        if (fused) {
+          if (p.interleaved)
+            RotateRowInterleavedBF16WithE4M3(x, out, codes, cos_t, sin_t, R, D, stream, d);
+          else
+            RotateRowBF16WithE4M3(x, out, codes, cos_t, sin_t, R, D, stream, d);
+          return;
+        }
+      }
 #endif
+      (void)fused;
+      RotateRowWithE4M3<E>(x, out, codes, cos_p, sin_p, cos_pil, sin_pil, R, D, p.interleaved,
+                           stream, d);
+    };
     const int64_t slot = written_slot(t);
     // SPEC §7: a normalised head is rotated from the scratch row. First the sums of
     // squares of all the block's normalised heads of the token (independent, so they
@@ -1316,19 +1410,10 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
       if (h < Hq) {
         const T* x = q_norm ? norm(row(p.q, t, h), 0, h) : row(p.q, t, h);
         if (kQuant && fp8_q) {
-          uint8_t* out = static_cast<uint8_t*>(p.q_out.data) + t * p.q_out.row_stride +
-                         h * p.q_out.head_stride;
-#if HWY_TARGET != HWY_SCALAR
-          if constexpr (kBF16) {
-            if (fused_q) {
-              rotate_e4m3(x, nullptr, out, q_div);
-              continue;
-            }
-          }
-#endif
-          RotateRowToE4M3<E>(x, stream ? e4m3_stage.data() : out, cos_p, sin_p, cos_pil,
-                             sin_pil, R, D, p.interleaved, q_div);
-          if (stream) CopyBytes(out, e4m3_stage.data(), size_t(D), true);
+          rotate_e4m3(x, nullptr,
+                      static_cast<uint8_t*>(p.q_out.data) + t * p.q_out.row_stride +
+                          h * p.q_out.head_stride,
+                      q_div, fused_q);
         } else
           rotate(x, row(p.q_out, t, h), nullptr);
         continue;
@@ -1336,33 +1421,14 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
       const int64_t kv = h - Hq;
       const T* x = k_norm ? norm(row(p.k, t, kv), 1, h) : row(p.k, t, kv);
       if (kQuant && fp8_pool) {
-#if HWY_TARGET != HWY_SCALAR
-        if constexpr (kBF16) {
-          if (fused_k) {
-            uint8_t* k_dst = nullptr;
-            uint8_t* v_dst = nullptr;
-            if (slot >= 0) {
-              k_dst = reinterpret_cast<uint8_t*>(PoolRow(p.k_pool, page, page_row, kv, 1));
-              v_dst = reinterpret_cast<uint8_t*>(PoolRow(p.v_pool, page, page_row, kv, 1));
-            }
-            rotate_e4m3(x, row(p.k_out, t, kv), k_dst, k_div);
-            if (v_dst) QuantizeRowBF16(row(p.v, t, kv), v_dst, D, v_div, stream);
-            continue;
-          }
-        }
-#endif
-        float* f = rotated.data();
-        RotateRowToFloat<E>(x, f, cos_p, sin_p, cos_pil, sin_pil, R, D, p.interleaved);
-        DemoteRowTo<E>(f, row(p.k_out, t, kv), D, stream);
+        uint8_t* k_dst = nullptr;
+        uint8_t* v_dst = nullptr;
         if (slot >= 0) {
-          auto* k_dst = reinterpret_cast<uint8_t*>(PoolRow(p.k_pool, page, page_row, kv, 1));
-          auto* v_dst = reinterpret_cast<uint8_t*>(PoolRow(p.v_pool, page, page_row, kv, 1));
-          uint8_t* stage = e4m3_stage.data();
-          QuantizeRow<Float32>(f, stream ? stage : k_dst, D, k_div);
-          if (stream) CopyBytes(k_dst, stage, size_t(D), true);
-          QuantizeInputRow<E>(row(p.v, t, kv), stream ? stage : v_dst, D, v_div);
-          if (stream) CopyBytes(v_dst, stage, size_t(D), true);
+          k_dst = reinterpret_cast<uint8_t*>(PoolRow(p.k_pool, page, page_row, kv, 1));
+          v_dst = reinterpret_cast<uint8_t*>(PoolRow(p.v_pool, page, page_row, kv, 1));
         }
+        rotate_e4m3(x, row(p.k_out, t, kv), k_dst, k_div, fused_k);
+        if (v_dst) QuantizeInputRow<E>(row(p.v, t, kv), v_dst, D, v_div, stream);
         continue;
       }
       rotate(x, row(p.k_out, t, kv),

@@ -113,7 +113,7 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
   // bfloat16 GPT-J k_pe rows of whole (even, odd) chunks into an fp8 cache rotate from the
   // plain tables too (RotateRowInterleavedBF16WithE4M3)
   const bool fused_k = kBF16 && kFp8Cache && gptj && R % (2 * N) == 0;
-  // (RotateRowInterleaved / RotateRowToFloat read the interleaved ones)
+  // (RotateRowInterleaved / RotateRowWithE4M3 read the interleaved ones)
   const bool il_tables = gptj && (!kBF16 || (kFp8Cache && !fused_k));
   const bool stream = kCanStream && plan.stream_stores;
   constexpr size_t es = sizeof(T);
@@ -132,12 +132,11 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
 
   thread_local std::vector<float> tables;
   thread_local std::vector<uint8_t> staging;
-  tables.resize(size_t(6 * n + R));
+  tables.resize(size_t(6 * n));
   float* cos_t = tables.data();
   float* sin_t = cos_t + n;
   float* cos_il = sin_t + n;
   float* sin_il = cos_il + 2 * n;
-  float* k_f32 = sin_il + 2 * n;  // fp8 cache: the rotated k row before rounding
   const size_t q_stage_bytes = q_staged ? size_t(group) * q_row_bytes : 0;
   const size_t row_stage_bytes = size_t(L + R) * (kFp8Cache ? 1 : es);
   staging.resize(q_stage_bytes + row_stage_bytes);
@@ -261,11 +260,9 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
                                            false, div);
       }
 #endif
-      if (!fused_k) {
-        RotateRowToFloat<E>(k_x, k_f32, cos_t, sin_t, cos_il, sin_il, R, R, gptj);
-        DemoteRowTo<E>(k_f32, k_dst, R, false);
-        if (dst) QuantizeRow<Float32>(k_f32, dst + L, R, div);
-      }
+      if (!fused_k)
+        RotateRowWithE4M3<E>(k_x, k_dst, dst ? dst + L : nullptr, cos_t, sin_t, cos_il, sin_il, R,
+                             R, gptj, false, div);
       if (slot < 0) continue;
       QuantizeInputRow<E>(kv, dst, L, div);
       if (stream) StreamBytes(cache_row(slot), row_stage, size_t(L + R));
