@@ -427,113 +427,123 @@ void e4m3_on_every_boundary(const char* target) {
 
 // The bench and the kit check a k pool row and an fp8 q_rot only within one e4m3 step of the
 // exact value (k_rot is rounded). Here they must be e4m3(f / scale) exactly, f the float32
-// rotation: the same call in float32 (bf16 inputs widened, q_rot in float32) rotates with the
-// same float32 operations and returns f as k_rot and q_rot, so its pool row is e4m3(k_rot /
-// k_scale) and the bf16 call's pool row and fp8 q_rot are e4m3(f / scale) bit for bit, and its
-// k_rot is f rounded to bfloat16. Half-split and GPT-J pairs.
+// rotation: the same call in float32 (16-bit inputs widened, q_rot in float32) rotates with
+// the same float32 operations and returns f as k_rot and q_rot, so its pool row is e4m3(k_rot /
+// k_scale) and the bfloat16 or float16 call's pool row and fp8 q_rot are e4m3(f / scale) bit for
+// bit, and its k_rot is f rounded to its dtype. Half-split and GPT-J pairs.
 void fp8_rows_are_the_rotation(const char* target) {
   ASSERT_STREQ(detail::cpu::hwy_target_name(), target);
   Rng rng(fresh_seed());
   SCOPED_TRACE("seed " + std::to_string(rng.seed()) + " (replay: ROPEPOOL_TEST_SEED)");
   // head sizes whose R/2 is a whole number of (even, odd) chunks on every target, and not
   const int64_t dims[][2] = {{128, 128}, {256, 256}, {128, 64}, {40, 40}, {96, 72}};
-  for (const bool interleaved : {false, true}) {
-    for (const auto& dim : dims)
-      for (double k_scale : {0.015625, 0.02, 1.7}) {
-        SCOPED_TRACE(interleaved ? "GPT-J pairs" : "half-split pairs");
-        Shape s;
-        s.dtype = DType::BFloat16;
-        s.interleaved = interleaved;
-        s.num_tokens = 23;
-        s.num_qo_heads = 2;
-        s.num_kv_heads = 3;
-        s.head_dim = dim[0];
-        s.rotary_dim = dim[1];
-        s.pool_size = 40;
-        s.pool_dtype = DType::Float8E4M3FN;
-        s.k_scale = k_scale;
-        s.v_scale = 0.7;
-        s.q_out_dtype = DType::Float8E4M3FN;
-        s.q_scale = k_scale;
-        Case b(s);
-        b.randomize(rng);
-        // values of every magnitude class: x * 2^e for e in [-30, 30] saturates, goes subnormal
-        for (TensorView* x : {&b.tensors.q, &b.tensors.k})
-          for (int64_t t = 0; t < s.num_tokens; ++t)
-            for (int64_t h = 0; h < x->shape[1]; ++h)
+  for (const DType dtype : {DType::BFloat16, DType::Float16}) {
+    for (const bool interleaved : {false, true}) {
+      for (const auto& dim : dims)
+        for (double k_scale : {0.015625, 0.02, 1.7}) {
+          SCOPED_TRACE(dtype_name(dtype) +
+                       std::string(interleaved ? ", GPT-J pairs" : ", half-split pairs"));
+          Shape s;
+          s.dtype = dtype;
+          s.interleaved = interleaved;
+          s.num_tokens = 23;
+          s.num_qo_heads = 2;
+          s.num_kv_heads = 3;
+          s.head_dim = dim[0];
+          s.rotary_dim = dim[1];
+          s.pool_size = 40;
+          s.pool_dtype = DType::Float8E4M3FN;
+          s.k_scale = k_scale;
+          s.v_scale = 0.7;
+          s.q_out_dtype = DType::Float8E4M3FN;
+          s.q_scale = k_scale;
+          Case b(s);
+          b.randomize(rng);
+          // values of every magnitude class: x * 2^e for e in [-30, 30] (float16: [-12, 12], its
+          // range) saturates, goes subnormal
+          const int e_max = dtype == DType::Float16 ? 12 : 30;
+          for (TensorView* x : {&b.tensors.q, &b.tensors.k})
+            for (int64_t t = 0; t < s.num_tokens; ++t)
+              for (int64_t h = 0; h < x->shape[1]; ++h)
+                for (int64_t d = 0; d < s.head_dim; ++d)
+                  store(*x, t, h, d,
+                        float(load(*x, t, h, d) *
+                              std::ldexp(1.0, int(rng() % uint64_t(2 * e_max + 1)) - e_max)));
+          Shape s32 = s;
+          s32.dtype = DType::Float32;
+          s32.q_out_dtype = DType::Other;
+          s32.q_scale = 0;
+          Case f(s32);
+          f.randomize(rng);
+          for (int64_t t = 0; t < s.num_tokens; ++t) {
+            f.set_position(t, b.position(t));
+            f.set_slot(t, b.slot(t));
+            for (int64_t h = 0; h < s.num_qo_heads; ++h)
               for (int64_t d = 0; d < s.head_dim; ++d)
-                store(*x, t, h, d,
-                      float(load(*x, t, h, d) * std::ldexp(1.0, int(rng() % 61) - 30)));
-        Shape s32 = s;
-        s32.dtype = DType::Float32;
-        s32.q_out_dtype = DType::Other;
-        s32.q_scale = 0;
-        Case f(s32);
-        f.randomize(rng);
-        for (int64_t t = 0; t < s.num_tokens; ++t) {
-          f.set_position(t, b.position(t));
-          f.set_slot(t, b.slot(t));
-          for (int64_t h = 0; h < s.num_qo_heads; ++h)
-            for (int64_t d = 0; d < s.head_dim; ++d)
-              store(f.tensors.q, t, h, d, float(load(b.tensors.q, t, h, d)));
-          for (int64_t h = 0; h < s.num_kv_heads; ++h)
-            for (int64_t d = 0; d < s.head_dim; ++d) {
-              store(f.tensors.k, t, h, d, float(load(b.tensors.k, t, h, d)));
-              store(f.tensors.v, t, h, d, float(load(b.tensors.v, t, h, d)));
-            }
+                store(f.tensors.q, t, h, d, float(load(b.tensors.q, t, h, d)));
+            for (int64_t h = 0; h < s.num_kv_heads; ++h)
+              for (int64_t d = 0; d < s.head_dim; ++d) {
+                store(f.tensors.k, t, h, d, float(load(b.tensors.k, t, h, d)));
+                store(f.tensors.v, t, h, d, float(load(b.tensors.v, t, h, d)));
+              }
+          }
+          ASSERT_NO_THROW(rope_pool_fused(b.tensors, b.params));
+          ASSERT_NO_THROW(rope_pool_fused(f.tensors, f.params));
+          const float scale = float(k_scale);
+          int64_t bad = 0, checked = 0;
+          for (int64_t t = 0; t < s.num_tokens; ++t) {
+            const int64_t slot = b.slot(t);
+            if (slot < 0) continue;
+            for (int64_t h = 0; h < s.num_kv_heads; ++h)
+              for (int64_t d = 0; d < s.head_dim; ++d) {
+                const TensorView& bp = b.tensors.k_pool;
+                const TensorView& fp = f.tensors.k_pool;
+                const uint8_t got = static_cast<const uint8_t*>(
+                    bp.data)[slot * bp.strides[0] + h * bp.strides[1] + d * bp.strides[2]];
+                const uint8_t got32 = static_cast<const uint8_t*>(
+                    fp.data)[slot * fp.strides[0] + h * fp.strides[1] + d * fp.strides[2]];
+                const uint8_t want = float_to_e4m3(float(load(f.tensors.k_out, t, h, d)) / scale);
+                ++checked;
+                if ((got != want || got32 != want) && ++bad <= 5)
+                  ADD_FAILURE() << "D " << dim[0] << " R " << dim[1] << " k_scale " << k_scale
+                                << " token " << t << " head " << h << " d " << d << ": "
+                                << dtype_name(dtype) << " call 0x" << std::hex << int(got)
+                                << ", float32 call 0x" << int(got32)
+                                << ", want 0x" << int(want);
+              }
+          }
+          EXPECT_GT(checked, 0);
+          ASSERT_EQ(bad, 0);
+          for (int64_t t = 0; t < s.num_tokens; ++t)
+            for (int64_t h = 0; h < s.num_kv_heads; ++h)
+              for (int64_t d = 0; d < s.head_dim; ++d) {
+                auto bits = [&](double x) {
+                  return dtype == DType::Float16 ? float_to_half(float(x)) : float_to_bf16(float(x));
+                };
+                const uint16_t got = bits(load(b.tensors.k_out, t, h, d));
+                const uint16_t want = bits(load(f.tensors.k_out, t, h, d));
+                if (got != want && ++bad <= 5)
+                  ADD_FAILURE() << "D " << dim[0] << " R " << dim[1] << " token " << t << " head "
+                                << h << " d " << d << ": k_rot 0x" << std::hex << got << ", want 0x"
+                                << want;
+              }
+          ASSERT_EQ(bad, 0);
+          const float q_scale = float(s.q_scale);
+          for (int64_t t = 0; t < s.num_tokens; ++t)
+            for (int64_t h = 0; h < s.num_qo_heads; ++h)
+              for (int64_t d = 0; d < s.head_dim; ++d) {
+                const TensorView& qo = b.tensors.q_out;
+                const uint8_t got = static_cast<const uint8_t*>(
+                    qo.data)[t * qo.strides[0] + h * qo.strides[1] + d * qo.strides[2]];
+                const uint8_t want = float_to_e4m3(float(load(f.tensors.q_out, t, h, d)) / q_scale);
+                if (got != want && ++bad <= 5)
+                  ADD_FAILURE() << "D " << dim[0] << " R " << dim[1] << " q_scale " << q_scale
+                                << " token " << t << " head " << h << " d " << d << ": q_rot 0x"
+                                << std::hex << int(got) << ", want 0x" << int(want);
+              }
+          ASSERT_EQ(bad, 0);
         }
-        ASSERT_NO_THROW(rope_pool_fused(b.tensors, b.params));
-        ASSERT_NO_THROW(rope_pool_fused(f.tensors, f.params));
-        const float scale = float(k_scale);
-        int64_t bad = 0, checked = 0;
-        for (int64_t t = 0; t < s.num_tokens; ++t) {
-          const int64_t slot = b.slot(t);
-          if (slot < 0) continue;
-          for (int64_t h = 0; h < s.num_kv_heads; ++h)
-            for (int64_t d = 0; d < s.head_dim; ++d) {
-              const TensorView& bp = b.tensors.k_pool;
-              const TensorView& fp = f.tensors.k_pool;
-              const uint8_t got = static_cast<const uint8_t*>(
-                  bp.data)[slot * bp.strides[0] + h * bp.strides[1] + d * bp.strides[2]];
-              const uint8_t got32 = static_cast<const uint8_t*>(
-                  fp.data)[slot * fp.strides[0] + h * fp.strides[1] + d * fp.strides[2]];
-              const uint8_t want = float_to_e4m3(float(load(f.tensors.k_out, t, h, d)) / scale);
-              ++checked;
-              if ((got != want || got32 != want) && ++bad <= 5)
-                ADD_FAILURE() << "D " << dim[0] << " R " << dim[1] << " k_scale " << k_scale
-                              << " token " << t << " head " << h << " d " << d << ": bf16 call 0x"
-                              << std::hex << int(got) << ", float32 call 0x" << int(got32)
-                              << ", want 0x" << int(want);
-            }
-        }
-        EXPECT_GT(checked, 0);
-        ASSERT_EQ(bad, 0);
-        for (int64_t t = 0; t < s.num_tokens; ++t)
-          for (int64_t h = 0; h < s.num_kv_heads; ++h)
-            for (int64_t d = 0; d < s.head_dim; ++d) {
-              const uint16_t got = float_to_bf16(float(load(b.tensors.k_out, t, h, d)));
-              const uint16_t want = float_to_bf16(float(load(f.tensors.k_out, t, h, d)));
-              if (got != want && ++bad <= 5)
-                ADD_FAILURE() << "D " << dim[0] << " R " << dim[1] << " token " << t << " head "
-                              << h << " d " << d << ": k_rot 0x" << std::hex << got << ", want 0x"
-                              << want;
-            }
-        ASSERT_EQ(bad, 0);
-        const float q_scale = float(s.q_scale);
-        for (int64_t t = 0; t < s.num_tokens; ++t)
-          for (int64_t h = 0; h < s.num_qo_heads; ++h)
-            for (int64_t d = 0; d < s.head_dim; ++d) {
-              const TensorView& qo = b.tensors.q_out;
-              const uint8_t got = static_cast<const uint8_t*>(
-                  qo.data)[t * qo.strides[0] + h * qo.strides[1] + d * qo.strides[2]];
-              const uint8_t want = float_to_e4m3(float(load(f.tensors.q_out, t, h, d)) / q_scale);
-              if (got != want && ++bad <= 5)
-                ADD_FAILURE() << "D " << dim[0] << " R " << dim[1] << " q_scale " << q_scale
-                              << " token " << t << " head " << h << " d " << d << ": q_rot 0x"
-                              << std::hex << int(got) << ", want 0x" << int(want);
-            }
-        ASSERT_EQ(bad, 0);
-      }
+    }
   }
 }
 
@@ -631,7 +641,7 @@ void caches_match_reference(const char* target) {
     set_cpu_num_threads(threads);
     detail::cpu::set_parallel_min_bytes(threads == 1 ? 1 << 20 : 1);
     // Non-temporal stores on every call with 2 threads (rows that are vector-aligned take
-    // them: the e4m3 rows through their staging row), never with 1 or 3.
+    // them, the e4m3 rows too), never with 1 or 3.
     detail::cpu::set_stream_min_bytes(threads == 2 ? 0 : -1);
     for (DType dt : {DType::Float32, DType::Float16, DType::BFloat16})
       for (KvLayout layout : {KvLayout::None, KvLayout::NHD, KvLayout::HND})
