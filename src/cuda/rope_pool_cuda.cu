@@ -258,6 +258,9 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   const bool no_row_lock = plan.pool_write_mode != cuda::kPoolWriteLock;
   plan.kv_items = fp8_pool && no_row_lock && c.split_fp8_kv == 0 ? 2 : 1;
   plan.q_item_units = fp8_q && no_row_lock ? cuda::kQUnitsFp8 : cuda::kQUnits;
+  assert(c.uncapped_fp8 >= -1 && c.uncapped_fp8 <= 1);
+  plan.uncapped = (fp8_pool || fp8_q) && c.uncapped_fp8 == 1 && plan.path == Path::Tuned &&
+                  D == 128 && T <= cuda::kUncappedMaxTokens;
 
   // Work per token, in warp items (kernel header): the kv items, plus q items of
   // 32 * plan.q_item_units units.
@@ -373,6 +376,17 @@ void launch(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRecord* r
           "cudaLaunchKernelEx (rope_pool_norm_kernel)");
     return;
   }
+  if constexpr ((kPool & (cuda::kPoolFp8 | cuda::kQOutFp8)) != 0 && kHeadDim == 128) {
+    if (plan.uncapped) {
+      check(cudaLaunchKernelEx(
+                &launch,
+                cuda::rope_pool_token_kernel_uncapped<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool>,
+                params),
+            "cudaLaunchKernelEx (rope_pool_token_kernel_uncapped)");
+      return;
+    }
+  }
+  assert(!plan.uncapped);
   check(cudaLaunchKernelEx(&launch,
                            cuda::rope_pool_token_kernel<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool>,
                            params),

@@ -39,6 +39,7 @@ constexpr int kKUnits = 2;  ///< k units per lane per kv round
 constexpr int kVVecs = 4;   ///< v vectors per lane per kv round
 constexpr int kStage = 8;   ///< raw vectors a lane holds: 2*kQUnits == 2*kKUnits + kVVecs
 constexpr int kSlotLocks = 1 << 16;
+constexpr int kUncappedMaxTokens = 128;  ///< LaunchConfig::uncapped_fp8 up to this many tokens
 constexpr int kMaxScanTokens = 256;  ///< duplicate scan in shared memory up to this many tokens
 
 /// How a kernel keeps two tokens with one slot from mixing their rows (SPEC §3).
@@ -953,6 +954,14 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
 template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool = 0>
 __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, kPool == (kPoolPaged | kPoolFp8) ? 3 : 4)
     rope_pool_token_kernel(const __grid_constant__ KernelParams<kFreqCap, kPool != 0> p) {
+  token_kernel_body<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool, false>(p, nullptr);
+}
+
+/// The fp8 main kernels at small T (LaunchConfig::uncapped_fp8): the same body with a bound of
+/// one CTA per SM, so the compiler may use up to 255 registers instead of 64 or 80.
+template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool>
+__global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 1)
+    rope_pool_token_kernel_uncapped(const __grid_constant__ KernelParams<kFreqCap, true> p) {
   token_kernel_body<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool, false>(p, nullptr);
 }
 

@@ -908,6 +908,7 @@ struct PoolCase {
   bool index64 = false;
   Kernel kernel = Kernel::Auto;
   bool no_split = false;    ///< LaunchConfig::split_fp8_kv = -1 (an fp8 pool's k and v on one item)
+  bool uncapped = false;    ///< LaunchConfig::uncapped_fp8 = 1 (the plan must take it)
   int expect_path = -1;     ///< a Path the plan must choose, or -1
   std::vector<int64_t> slots;  ///< empty: distinct random rows, some negative
   std::string name() const {
@@ -930,6 +931,7 @@ struct PoolCase {
                   mrope ? (mrope == 2 ? " mrope(interleaved)" : " mrope") : "", kernel_name(kernel));
     std::string n = b;
     if (no_split) n += " no-split";
+    if (uncapped) n += " uncapped";
     if (claimed_pool_size) n += " pool_size=" + std::to_string(claimed_pool_size);
     return n;
   }
@@ -995,6 +997,7 @@ struct PoolRun {
     set_scales(c.k_scale, c.v_scale, c.q_scale);
     if (c.kernel != Kernel::Auto) cfg.warps_per_cta = c.kernel == Kernel::OneWarp ? 1 : 2;
     cfg.split_fp8_kv = c.no_split ? -1 : 0;
+    cfg.uncapped_fp8 = c.uncapped ? 1 : 0;
   }
 
   /// The scales the next launch uses: values, or (scale_ptrs) the device floats, with a wrong
@@ -1120,8 +1123,9 @@ struct PoolRun {
   }
 
   Path plan_path(int* variant = nullptr, int* warps = nullptr, int* kv_items = nullptr,
-                 int* q_units = nullptr) const {
+                 int* q_units = nullptr, bool* uncapped = nullptr) const {
     const auto plan = detail::cuda_launch::plan_launch(prob, cfg);
+    if (uncapped) *uncapped = plan.uncapped;
     if (variant) *variant = plan.pool_variant;
     if (warps) *warps = plan.config.warps_per_cta;
     if (kv_items) *kv_items = plan.kv_items;
@@ -1278,7 +1282,8 @@ int g_pool_cases = 0;
 void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   PoolRun run(pc, rng);
   int variant = 0, warps = 0, kv_items = 0, q_units = 0;
-  const Path path = run.plan_path(&variant, &warps, &kv_items, &q_units);
+  bool uncapped = false;
+  const Path path = run.plan_path(&variant, &warps, &kv_items, &q_units, &uncapped);
   const std::string what = std::string(group) + ": " + pc.name();
   std::string first;
   int64_t bad = 0;
@@ -1298,6 +1303,11 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
     ++bad;
     first = "plan chose " + std::to_string(kv_items) + " kv item(s) and q items of " + std::to_string(q_units) +
             " units, expected " + std::to_string(want_kv) + " and " + std::to_string(want_q) +
+            (first.empty() ? "" : "; " + first);
+  }
+  if (pc.uncapped != uncapped && !pc.norm) {
+    ++bad;
+    first = std::string("plan ") + (uncapped ? "took" : "did not take") + " the uncapped fp8 kernel" +
             (first.empty() ? "" : "; " + first);
   }
   if (pc.expect_path >= 0 && !pc.norm && int(path) != pc.expect_path) {
@@ -1410,6 +1420,18 @@ void test_fp8_pools(Rng& rng) {
       c.T = T, c.cache = Cache::HND, c.page_size = 5;
       run_pool_case(c, rng, "fp8");
     }
+    // The fp8 kernels without the register cap (LaunchConfig::uncapped_fp8, T <= 128):
+    // Llama's shape, an fp8 pool and/or an fp8 q_out, power-of-two scales and not.
+    for (int64_t T : {int64_t(1), int64_t(37), int64_t(128)})
+      for (int fp8 : {1, 2, 3})
+        for (bool pow2 : {false, true}) {
+          PoolCase c = base;
+          c.T = T, c.Hq = 32, c.Hk = 8, c.D = 128, c.uncapped = true;
+          c.fp8_pool = fp8 & 1, c.fp8_q = fp8 & 2, c.q_scale = pow2 ? 0.5f : 0.07f;
+          if (pow2) c.k_scale = 0.25f, c.v_scale = 1.0f;
+          if (!c.fp8_pool) c.cache = Cache::Pool3D;
+          run_pool_case(c, rng, "fp8");
+        }
   }
 }
 
