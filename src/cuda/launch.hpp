@@ -23,7 +23,7 @@ struct LaunchConfig {
   int split_fp8_kv = 0;
   /// fp8 kernels (pool or q_out; head_dim 128 tuned) without the 3-4 CTAs per SM register
   /// cap, where T <= cuda::kUncappedMaxTokens (a CTA per token: at most one per SM, so the cap
-  /// buys no occupancy there): 1 on, 0 default (off: not yet timed), -1 off.
+  /// buys no occupancy there): 0 (default) or 1 on, -1 off (the capped kernel at every T).
   int uncapped_fp8 = 0;
 };
 
@@ -40,7 +40,8 @@ struct LaunchPlan {
   int pool_write_mode = 0;  ///< cuda::PoolWriteMode
   int kv_items = 1;         ///< kv warp items per token (LaunchConfig::split_fp8_kv)
   int q_item_units = 4;     ///< q units per lane per q item (cuda::kQUnits, or kQUnitsFp8)
-  bool uncapped = false;    ///< the fp8 kernel without the register cap (LaunchConfig::uncapped_fp8)
+  bool uncapped = false;    ///< the fp8 kernel without the register cap (LaunchConfig::uncapped_fp8;
+                            ///< calls with a QK norm run the norm kernel regardless)
   /// cuda::PoolVariant bits: 0 for pools in q's dtype with page size 1 (the seed's kernels);
   /// paged pools, fp8 pools and an fp8 q_out run kernels of their own.
   int pool_variant = 0;

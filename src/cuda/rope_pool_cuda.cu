@@ -259,7 +259,7 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   plan.kv_items = fp8_pool && no_row_lock && c.split_fp8_kv == 0 ? 2 : 1;
   plan.q_item_units = fp8_q && no_row_lock ? cuda::kQUnitsFp8 : cuda::kQUnits;
   assert(c.uncapped_fp8 >= -1 && c.uncapped_fp8 <= 1);
-  plan.uncapped = (fp8_pool || fp8_q) && c.uncapped_fp8 == 1 && plan.path == Path::Tuned &&
+  plan.uncapped = (fp8_pool || fp8_q) && c.uncapped_fp8 >= 0 && plan.path == Path::Tuned &&
                   D == 128 && T <= cuda::kUncappedMaxTokens;
 
   // Work per token, in warp items (kernel header): the kv items, plus q items of

@@ -908,7 +908,8 @@ struct PoolCase {
   bool index64 = false;
   Kernel kernel = Kernel::Auto;
   bool no_split = false;    ///< LaunchConfig::split_fp8_kv = -1 (an fp8 pool's k and v on one item)
-  bool uncapped = false;    ///< LaunchConfig::uncapped_fp8 = 1 (the plan must take it)
+  bool capped = false;      ///< LaunchConfig::uncapped_fp8 = -1 (the capped fp8 kernel at every T)
+  int expect_uncapped = -1; ///< 1 or 0: whether the plan must take the uncapped fp8 kernel; -1 any
   int expect_path = -1;     ///< a Path the plan must choose, or -1
   std::vector<int64_t> slots;  ///< empty: distinct random rows, some negative
   std::string name() const {
@@ -931,7 +932,7 @@ struct PoolCase {
                   mrope ? (mrope == 2 ? " mrope(interleaved)" : " mrope") : "", kernel_name(kernel));
     std::string n = b;
     if (no_split) n += " no-split";
-    if (uncapped) n += " uncapped";
+    if (capped) n += " capped";
     if (claimed_pool_size) n += " pool_size=" + std::to_string(claimed_pool_size);
     return n;
   }
@@ -997,7 +998,7 @@ struct PoolRun {
     set_scales(c.k_scale, c.v_scale, c.q_scale);
     if (c.kernel != Kernel::Auto) cfg.warps_per_cta = c.kernel == Kernel::OneWarp ? 1 : 2;
     cfg.split_fp8_kv = c.no_split ? -1 : 0;
-    cfg.uncapped_fp8 = c.uncapped ? 1 : 0;
+    cfg.uncapped_fp8 = c.capped ? -1 : 0;
   }
 
   /// The scales the next launch uses: values, or (scale_ptrs) the device floats, with a wrong
@@ -1305,7 +1306,7 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
             " units, expected " + std::to_string(want_kv) + " and " + std::to_string(want_q) +
             (first.empty() ? "" : "; " + first);
   }
-  if (pc.uncapped != uncapped && !pc.norm) {
+  if (pc.expect_uncapped >= 0 && bool(pc.expect_uncapped) != uncapped && !pc.norm) {
     ++bad;
     first = std::string("plan ") + (uncapped ? "took" : "did not take") + " the uncapped fp8 kernel" +
             (first.empty() ? "" : "; " + first);
@@ -1420,18 +1421,20 @@ void test_fp8_pools(Rng& rng) {
       c.T = T, c.cache = Cache::HND, c.page_size = 5;
       run_pool_case(c, rng, "fp8");
     }
-    // The fp8 kernels without the register cap (LaunchConfig::uncapped_fp8, T <= 128):
-    // Llama's shape, an fp8 pool and/or an fp8 q_out, power-of-two scales and not.
+    // The fp8 kernels at T <= 128, without the register cap (the default) and with it
+    // (LaunchConfig::uncapped_fp8 = -1): Llama's shape, an fp8 pool and/or an fp8 q_out,
+    // power-of-two scales and not.
     for (int64_t T : {int64_t(1), int64_t(37), int64_t(128)})
       for (int fp8 : {1, 2, 3})
-        for (bool pow2 : {false, true}) {
-          PoolCase c = base;
-          c.T = T, c.Hq = 32, c.Hk = 8, c.D = 128, c.uncapped = true;
-          c.fp8_pool = fp8 & 1, c.fp8_q = fp8 & 2, c.q_scale = pow2 ? 0.5f : 0.07f;
-          if (pow2) c.k_scale = 0.25f, c.v_scale = 1.0f;
-          if (!c.fp8_pool) c.cache = Cache::Pool3D;
-          run_pool_case(c, rng, "fp8");
-        }
+        for (bool pow2 : {false, true})
+          for (bool capped : {false, true}) {
+            PoolCase c = base;
+            c.T = T, c.Hq = 32, c.Hk = 8, c.D = 128, c.capped = capped, c.expect_uncapped = !capped;
+            c.fp8_pool = fp8 & 1, c.fp8_q = fp8 & 2, c.q_scale = pow2 ? 0.5f : 0.07f;
+            if (pow2) c.k_scale = 0.25f, c.v_scale = 1.0f;
+            if (!c.fp8_pool) c.cache = Cache::Pool3D;
+            run_pool_case(c, rng, "fp8");
+          }
   }
 }
 
