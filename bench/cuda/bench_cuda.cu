@@ -468,12 +468,12 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
       }
       // Where the plan takes the fp8 kernel without its register cap (T <= 128), the capped
       // one (LaunchConfig::uncapped_fp8 = -1) in the same run.
-      double tu = 0, tgu = 0;
+      double t_capped = 0, tg_capped = 0;
       if (plan.uncapped) {
         detail::cuda_launch::LaunchConfig capped;
         capped.uncapped_fp8 = -1;
-        tu = time_stream(w, capped, s);
-        tgu = time_graph(w, s, capped);
+        t_capped = time_stream(w, capped, s);
+        tg_capped = time_graph(w, s, capped);
       }
       const double gbps = w.bytes() / t;
       char kernel[48];
@@ -483,7 +483,7 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
       char one_item[48] = "";
       if (t1 > 0) std::snprintf(one_item, sizeof one_item, "%.2f | %.2f", t1 * 1e6, tg1 * 1e6);
       char capped[48] = "";
-      if (tu > 0) std::snprintf(capped, sizeof capped, "; %.2f | %.2f", tu * 1e6, tgu * 1e6);
+      if (t_capped > 0) std::snprintf(capped, sizeof capped, "; %.2f | %.2f", t_capped * 1e6, tg_capped * 1e6);
       std::printf("%8lld  %-40s %10.2f %9.0f %6.1f%% %10.2f %10s  %s%s\n", (long long)T, spec.name().c_str(), t * 1e6,
                   gbps / 1e9, 100 * gbps / copy, tg * 1e6, kernel, one_item, capped);
       char js[480];
