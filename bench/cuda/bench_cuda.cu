@@ -446,7 +446,8 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
   specs.push_back({PoolSpec::Flat, 1, false, true, false, true});
   std::printf("\nSPEC 6 caches (bf16 q/k/v, Hq 32, Hk 8, D 128, 262144-slot caches; copy %.0f GB/s):\n", copy / 1e9);
   std::printf("%8s  %-40s %10s %9s %7s %10s %10s  %s\n", "T", "cache", "us/call", "GB/s", "%copy", "graph us", "kernel",
-              "fp8 k and v on one item (T <= 256): us/call | graph us; capped fp8 kernel (T <= 128): us/call | graph us");
+              "fp8 k and v on one item (T <= 256): us/call | graph us; the other fp8 kernel (T <= 256, capped or uncapped): us/call | graph us; "
+              "xN[q1](Ww): the uncapped kernel with a token over N CTAs of W warps [q items of 1 unit]: us/call | graph us");
   g_json += ", \"pools\": [";
   bool first_row = true;
   for (int64_t T : tokens)
@@ -466,14 +467,32 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
         t1 = time_stream(w, one, s);
         tg1 = time_graph(w, s, one);
       }
-      // Where the plan takes the fp8 kernel without its register cap (T <= 128), the capped
-      // one (LaunchConfig::uncapped_fp8 = -1) in the same run.
-      double t_capped = 0, tg_capped = 0;
+      // The other fp8 kernel in the same run: where the plan takes the one without its
+      // register cap (T <= 128), the capped one (LaunchConfig::uncapped_fp8 = -1); where it
+      // takes the capped one at T <= 256, the uncapped one (uncapped_fp8 = 1).
+      double t_other = 0, tg_other = 0;
+      detail::cuda_launch::LaunchConfig other;
+      other.uncapped_fp8 = plan.uncapped ? -1 : 1;
+      const bool time_other = plan.uncapped || (T <= 256 && detail::cuda_launch::plan_launch(w.problem(0, s), other).uncapped);
+      if (time_other) {
+        t_other = time_stream(w, other, s);
+        tg_other = time_graph(w, s, other);
+      }
+      // The uncapped kernel with a token's items over several CTAs (LaunchConfig::ctas_per_token)
+      // and, with an fp8 q_out, q items of one unit (fp8_q_units = 1).
+      std::string split_times;
       if (plan.uncapped) {
-        detail::cuda_launch::LaunchConfig capped;
-        capped.uncapped_fp8 = -1;
-        t_capped = time_stream(w, capped, s);
-        tg_capped = time_graph(w, s, capped);
+        const bool fp8_q = plan.q_item_units != 4;
+        for (auto [ctas, q_units] : {std::pair{2, 0}, {3, 0}, {3, 1}, {5, 1}}) {
+          if (q_units && !fp8_q) continue;
+          detail::cuda_launch::LaunchConfig c;
+          c.ctas_per_token = ctas, c.fp8_q_units = q_units;
+          const auto sp = detail::cuda_launch::plan_launch(w.problem(0, s), c);
+          char b[64];
+          std::snprintf(b, sizeof b, "; x%d%s(%dw) %.2f | %.2f", sp.ctas_per_token, q_units ? "q1" : "",
+                        sp.config.warps_per_cta, time_stream(w, c, s) * 1e6, time_graph(w, s, c) * 1e6);
+          split_times += b;
+        }
       }
       const double gbps = w.bytes() / t;
       char kernel[48];
@@ -482,10 +501,12 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
                     plan.pool_variant, plan.config.warps_per_cta, split ? " kv2" : "", plan.q_item_units != 4 ? " q2" : "", plan.uncapped ? " unc" : "");
       char one_item[48] = "";
       if (t1 > 0) std::snprintf(one_item, sizeof one_item, "%.2f | %.2f", t1 * 1e6, tg1 * 1e6);
-      char capped[48] = "";
-      if (t_capped > 0) std::snprintf(capped, sizeof capped, "; %.2f | %.2f", t_capped * 1e6, tg_capped * 1e6);
-      std::printf("%8lld  %-40s %10.2f %9.0f %6.1f%% %10.2f %10s  %s%s\n", (long long)T, spec.name().c_str(), t * 1e6,
-                  gbps / 1e9, 100 * gbps / copy, tg * 1e6, kernel, one_item, capped);
+      char capped[64] = "";
+      if (time_other)
+        std::snprintf(capped, sizeof capped, "; %s %.2f | %.2f", plan.uncapped ? "capped" : "uncapped", t_other * 1e6,
+                      tg_other * 1e6);
+      std::printf("%8lld  %-40s %10.2f %9.0f %6.1f%% %10.2f %10s  %s%s%s\n", (long long)T, spec.name().c_str(), t * 1e6,
+                  gbps / 1e9, 100 * gbps / copy, tg * 1e6, kernel, one_item, capped, split_times.c_str());
       char js[480];
       std::snprintf(js, sizeof js,
                     "%s{\"T\": %lld, \"cache\": \"%s\", \"us\": %.3f, \"GBps\": %.1f, \"graph_us\": %.3f, "

@@ -22,9 +22,15 @@ struct LaunchConfig {
   /// no row lock (T <= kMaxScanTokens; a row's lock is held by one warp); -1 off (one kv item).
   int split_fp8_kv = 0;
   /// fp8 kernels (pool or q_out; head_dim 128 tuned) without the 3-4 CTAs per SM register
-  /// cap, where T <= cuda::kUncappedMaxTokens (a CTA per token: at most one per SM, so the cap
-  /// buys no occupancy there): 0 (default) or 1 on, -1 off (the capped kernel at every T).
+  /// cap: 0 (default) where T <= cuda::kUncappedMaxTokens (a CTA per token: at most one per
+  /// SM, so the cap buys no occupancy there); 1 at every T (the benchmark times it beyond that
+  /// bound); -1 off (the capped kernel at every T).
   int uncapped_fp8 = 0;
+  /// The uncapped fp8 kernel only: a token's warp items over this many CTAs (0 default: 1).
+  int ctas_per_token = 0;
+  /// An fp8 q_out where no row lock is taken: q units per lane per q item, 1, 2 or 4 (0
+  /// default: cuda::kQUnitsFp8).
+  int fp8_q_units = 0;
 };
 
 /// Which kernel a problem runs on: a tuned head size, the generic 16-byte path, or the
@@ -45,7 +51,8 @@ struct LaunchPlan {
   /// cuda::PoolVariant bits: 0 for pools in q's dtype with page size 1 (the seed's kernels);
   /// paged pools, fp8 pools and an fp8 q_out run kernels of their own.
   int pool_variant = 0;
-  int64_t grid = 0;
+  int64_t grid = 0;         ///< CTAs per token (LaunchConfig::ctas_per_token) times the tokens
+  int ctas_per_token = 1;
   int threads = 0;
   size_t shared_bytes = 0;
 };

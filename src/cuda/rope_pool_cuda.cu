@@ -257,10 +257,11 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   assert(c.split_fp8_kv == 0 || c.split_fp8_kv == -1);
   const bool no_row_lock = plan.pool_write_mode != cuda::kPoolWriteLock;
   plan.kv_items = fp8_pool && no_row_lock && c.split_fp8_kv == 0 ? 2 : 1;
-  plan.q_item_units = fp8_q && no_row_lock ? cuda::kQUnitsFp8 : cuda::kQUnits;
+  assert(c.fp8_q_units == 0 || c.fp8_q_units == 1 || c.fp8_q_units == 2 || c.fp8_q_units == 4);
+  plan.q_item_units = !(fp8_q && no_row_lock) ? cuda::kQUnits : c.fp8_q_units > 0 ? c.fp8_q_units : cuda::kQUnitsFp8;
   assert(c.uncapped_fp8 >= -1 && c.uncapped_fp8 <= 1);
   plan.uncapped = (fp8_pool || fp8_q) && c.uncapped_fp8 >= 0 && plan.path == Path::Tuned &&
-                  D == 128 && T <= cuda::kUncappedMaxTokens;
+                  D == 128 && (T <= cuda::kUncappedMaxTokens || c.uncapped_fp8 == 1);
 
   // Work per token, in warp items (kernel header): the kv items, plus q items of
   // 32 * plan.q_item_units units.
@@ -276,10 +277,15 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
 
   // A CTA per token, one warp per item, so the token's items run side by side; the warp
   // count is the only choice left (no other shape measured faster: docs/CUDA.md).
+  // The uncapped fp8 kernel may spread a token's items over several CTAs (gridDim.y).
+  assert(c.ctas_per_token >= 0);
+  plan.ctas_per_token = plan.uncapped && c.ctas_per_token > 1
+                            ? std::min(c.ctas_per_token, int(std::ceil(items_per_token)))
+                            : 1;
   if (c.warps_per_cta <= 0)
-    c.warps_per_cta = int(std::min<double>(cuda::kMaxWarpsPerCta, std::ceil(items_per_token)));
+    c.warps_per_cta = int(std::min<double>(cuda::kMaxWarpsPerCta, std::ceil(items_per_token / plan.ctas_per_token)));
   c.warps_per_cta = std::clamp(c.warps_per_cta, 1, cuda::kMaxWarpsPerCta);
-  plan.grid = T;
+  plan.grid = T * plan.ctas_per_token;
   plan.threads = 32 * c.warps_per_cta;
   plan.shared_bytes = size_t(2) * size_t(half) * sizeof(float);
   if (plan.pool_variant != 0) plan.shared_bytes += cuda::kPoolSharedBytes;  // before the table
@@ -358,7 +364,7 @@ void launch(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRecord* r
   if constexpr (kPool != 0) params = make_pool_params<kFreqCap>(p, plan, record);
   else params = make_params<kFreqCap>(p, plan, record);
   cudaLaunchConfig_t launch{};
-  launch.gridDim = dim3(unsigned(plan.grid));
+  launch.gridDim = dim3(unsigned(plan.grid / plan.ctas_per_token), unsigned(plan.ctas_per_token));
   launch.blockDim = dim3(unsigned(plan.threads));
   launch.dynamicSmemBytes = plan.shared_bytes;
   launch.stream = stream;

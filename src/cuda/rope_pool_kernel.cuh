@@ -805,7 +805,11 @@ struct ParamTouch {
 // kNorm (rope_pool_norm_kernel): SPEC §7's QK norm with `norm`, each head normalised in
 // registers right before it is rotated (HeadOps::norm_scales, norm_unit), where the planner finds a head's
 // units in one lane group; the fusion kernels take the other geometries.
-template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool, bool kNorm>
+//
+// kSplit (the uncapped kernel only): a token's items over gridDim.y CTAs, blockIdx.y taking
+// items blockIdx.y * warps + w, ...: at small T a token's e4m3 work then issues on several SMs.
+template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool, bool kNorm,
+          bool kSplit = false>
 __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, kPool != 0>& p,
                                                   const FusionParams* norm) {
   using Ops = HeadOps<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool>;
@@ -834,7 +838,8 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
   const int kv_items = ops.kv_items();  // 1, or 2 for an fp8 pool at small T (HeadOps::kv_items)
   const int items = kv_items + ops.q_chunks();
-  int item = warp;
+  int item = kSplit ? int(blockIdx.y) * warps + warp : warp;
+  const int item_step = kSplit ? warps * int(gridDim.y) : warps;
 
   // Before the wait: the first item's addresses.
   typename Ops::Sources src{{}, 0u};
@@ -879,7 +884,7 @@ __device__ __forceinline__ void token_kernel_body(const KernelParams<kFreqCap, k
   __syncthreads();
   allow_next_grid();
 
-  for (bool prefetched = true; item < items; item += warps, prefetched = false) {
+  for (bool prefetched = true; item < items; item += item_step, prefetched = false) {
     if (item < kv_items) {
       // A warp's first item, prefetched; with two kv items and one warp, item 1 is not.
       const int parts = ops.kv_parts(item);
@@ -958,11 +963,12 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, kPool == (kPoolPaged | k
 }
 
 /// The fp8 main kernels at small T (LaunchConfig::uncapped_fp8): the same body with a bound of
-/// one CTA per SM, so the compiler may use up to 255 registers instead of 64 or 80.
+/// one CTA per SM, so the compiler may use up to 255 registers instead of 64 or 80, and a
+/// token's items over gridDim.y CTAs (LaunchConfig::ctas_per_token).
 template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool>
 __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 1)
     rope_pool_token_kernel_uncapped(const __grid_constant__ KernelParams<kFreqCap, true> p) {
-  token_kernel_body<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool, false>(p, nullptr);
+  token_kernel_body<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool, false, true>(p, nullptr);
 }
 
 /// The main kernel with SPEC §7's QK norm (the planner's geometry: see HeadOps::norm_scales), at

@@ -909,6 +909,9 @@ struct PoolCase {
   Kernel kernel = Kernel::Auto;
   bool no_split = false;    ///< LaunchConfig::split_fp8_kv = -1 (an fp8 pool's k and v on one item)
   bool capped = false;      ///< LaunchConfig::uncapped_fp8 = -1 (the capped fp8 kernel at every T)
+  bool forced_uncapped = false;  ///< LaunchConfig::uncapped_fp8 = 1 (the uncapped one at every T)
+  int ctas_per_token = 0;   ///< LaunchConfig::ctas_per_token (the uncapped kernel's split)
+  int fp8_q_units = 0;      ///< LaunchConfig::fp8_q_units
   int expect_uncapped = -1; ///< 1 or 0: whether the plan must take the uncapped fp8 kernel; -1 any
   int expect_path = -1;     ///< a Path the plan must choose, or -1
   std::vector<int64_t> slots;  ///< empty: distinct random rows, some negative
@@ -933,6 +936,9 @@ struct PoolCase {
     std::string n = b;
     if (no_split) n += " no-split";
     if (capped) n += " capped";
+    if (forced_uncapped) n += " uncapped(forced)";
+    if (ctas_per_token) n += " ctas/token=" + std::to_string(ctas_per_token);
+    if (fp8_q_units) n += " q_units=" + std::to_string(fp8_q_units);
     if (claimed_pool_size) n += " pool_size=" + std::to_string(claimed_pool_size);
     return n;
   }
@@ -998,7 +1004,8 @@ struct PoolRun {
     set_scales(c.k_scale, c.v_scale, c.q_scale);
     if (c.kernel != Kernel::Auto) cfg.warps_per_cta = c.kernel == Kernel::OneWarp ? 1 : 2;
     cfg.split_fp8_kv = c.no_split ? -1 : 0;
-    cfg.uncapped_fp8 = c.capped ? -1 : 0;
+    cfg.uncapped_fp8 = c.capped ? -1 : c.forced_uncapped ? 1 : 0;
+    cfg.ctas_per_token = c.ctas_per_token, cfg.fp8_q_units = c.fp8_q_units;
   }
 
   /// The scales the next launch uses: values, or (scale_ptrs) the device floats, with a wrong
@@ -1124,8 +1131,9 @@ struct PoolRun {
   }
 
   Path plan_path(int* variant = nullptr, int* warps = nullptr, int* kv_items = nullptr,
-                 int* q_units = nullptr, bool* uncapped = nullptr) const {
+                 int* q_units = nullptr, bool* uncapped = nullptr, int* ctas = nullptr) const {
     const auto plan = detail::cuda_launch::plan_launch(prob, cfg);
+    if (ctas) *ctas = plan.ctas_per_token;
     if (uncapped) *uncapped = plan.uncapped;
     if (variant) *variant = plan.pool_variant;
     if (warps) *warps = plan.config.warps_per_cta;
@@ -1282,9 +1290,9 @@ int g_pool_cases = 0;
 /// Runs one case, prints one line: ok/FAIL, the plan (path, variant, warps), the case.
 void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   PoolRun run(pc, rng);
-  int variant = 0, warps = 0, kv_items = 0, q_units = 0;
+  int variant = 0, warps = 0, kv_items = 0, q_units = 0, ctas = 0;
   bool uncapped = false;
-  const Path path = run.plan_path(&variant, &warps, &kv_items, &q_units, &uncapped);
+  const Path path = run.plan_path(&variant, &warps, &kv_items, &q_units, &uncapped, &ctas);
   const std::string what = std::string(group) + ": " + pc.name();
   std::string first;
   int64_t bad = 0;
@@ -1299,7 +1307,7 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   // src/cuda/rope_pool_kernel.cuh), an fp8 pool's k and v heads on items of their own (unless
   // the case turns it off) and an fp8 q_out's q items of 2 units (kQUnitsFp8), else of 4.
   const int want_kv = pc.fp8_pool && pc.T <= 256 && !pc.no_split ? 2 : 1;
-  const int want_q = pc.fp8_q && pc.T <= 256 ? 2 : 4;
+  const int want_q = pc.fp8_q && pc.T <= 256 ? (pc.fp8_q_units ? pc.fp8_q_units : 2) : 4;
   if (!pc.norm && (kv_items != want_kv || q_units != want_q)) {
     ++bad;
     first = "plan chose " + std::to_string(kv_items) + " kv item(s) and q items of " + std::to_string(q_units) +
@@ -1310,6 +1318,18 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
     ++bad;
     first = std::string("plan ") + (uncapped ? "took" : "did not take") + " the uncapped fp8 kernel" +
             (first.empty() ? "" : "; " + first);
+  }
+  if (pc.ctas_per_token > 1 && !pc.norm) {
+    // At most one CTA per warp item: the NeoX units of a head of 16-byte vectors, D / 16 for
+    // 2-byte elements and D / 8 for float32 (the cases that set ctas_per_token: R = D, NeoX).
+    const int64_t units = pc.D / (pc.dtype == DType::Float32 ? 8 : 16);
+    const int64_t items = want_kv + (pc.Hq * units + 32 * want_q - 1) / (32 * want_q);
+    const int64_t want_ctas = std::min<int64_t>(pc.ctas_per_token, items);
+    if (ctas != want_ctas) {
+      ++bad;
+      first = "plan spread a token over " + std::to_string(ctas) + " CTA(s), expected " +
+              std::to_string(want_ctas) + (first.empty() ? "" : "; " + first);
+    }
   }
   if (pc.expect_path >= 0 && !pc.norm && int(path) != pc.expect_path) {
     ++bad;
@@ -1389,6 +1409,13 @@ void test_fp8_pools(Rng& rng) {
         c.fp8_pool = true, c.k_scale = s.ks, c.v_scale = s.vs, c.scale_ptrs = s.ptrs, c.specials = s.specials;
         run_pool_case(c, rng, "fp8");
       }
+    if (dt == DType::BFloat16) {  // the uncapped kernel with a token over 3 CTAs, under compute-sanitizer too
+      PoolCase c;
+      c.dtype = dt, c.cache = Cache::NHD, c.page_size = 16, c.T = 3, c.Hq = 32, c.Hk = 8, c.D = 128;
+      c.fp8_pool = true, c.fp8_q = true, c.k_scale = 0.0375f, c.v_scale = 0.3f, c.q_scale = 0.07f;
+      c.ctas_per_token = 3, c.expect_uncapped = 1;
+      run_pool_case(c, rng, "fp8");
+    }
     if (g_sanitize) continue;
     // Every path and launch shape, scale values that are not powers of two.
     PoolCase base;
@@ -1433,6 +1460,35 @@ void test_fp8_pools(Rng& rng) {
             c.fp8_pool = fp8 & 1, c.fp8_q = fp8 & 2, c.q_scale = pow2 ? 0.5f : 0.07f;
             if (pow2) c.k_scale = 0.25f, c.v_scale = 1.0f;
             if (!c.fp8_pool) c.cache = Cache::Pool3D;
+            run_pool_case(c, rng, "fp8");
+          }
+    // Beyond T = 128 the default is the capped kernel; LaunchConfig::uncapped_fp8 = 1 runs the
+    // uncapped one at any T (the benchmark times it at T = 256): the scan (T <= 256) and the
+    // row-lock (T > 256) write modes.
+    for (int64_t T : {int64_t(129), int64_t(256), int64_t(300)})
+      for (int fp8 : {1, 3})
+        for (bool pow2 : {false, true})
+          for (bool forced : {false, true}) {
+            PoolCase c = base;
+            c.T = T, c.Hq = 32, c.Hk = 8, c.D = 128, c.forced_uncapped = forced, c.expect_uncapped = forced;
+            c.fp8_pool = fp8 & 1, c.fp8_q = fp8 & 2, c.q_scale = pow2 ? 0.5f : 0.07f;
+            if (pow2) c.k_scale = 0.25f, c.v_scale = 1.0f;
+            c.cache = Cache::NHD, c.page_size = 16;
+            run_pool_case(c, rng, "fp8");
+          }
+    // The uncapped kernel with a token's items over several CTAs (LaunchConfig::ctas_per_token)
+    // and q items of 1 or 2 units (fp8_q_units).
+    for (int64_t T : {int64_t(1), int64_t(37), int64_t(128)})
+      for (int fp8 : {1, 2, 3})
+        for (int ctas : {2, 3, 5})
+          for (int q_units : {0, 1}) {
+            if (q_units && !(fp8 & 2)) continue;
+            PoolCase c = base;
+            c.T = T, c.Hq = 32, c.Hk = 8, c.D = 128, c.expect_uncapped = 1;
+            c.ctas_per_token = ctas, c.fp8_q_units = q_units;
+            c.fp8_pool = fp8 & 1, c.fp8_q = fp8 & 2, c.q_scale = ctas == 3 ? 0.5f : 0.07f;
+            if (ctas == 3) c.k_scale = 0.25f, c.v_scale = 1.0f;
+            c.cache = fp8 & 1 ? Cache::NHD : Cache::Pool3D, c.page_size = 16;
             run_pool_case(c, rng, "fp8");
           }
   }
