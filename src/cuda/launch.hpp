@@ -47,7 +47,7 @@ struct LaunchPlan {
   int kv_items = 1;         ///< kv warp items per token (LaunchConfig::split_fp8_kv)
   int q_item_units = 4;     ///< q units per lane per q item (cuda::kQUnits, or kQUnitsFp8)
   bool uncapped = false;    ///< the fp8 kernel without the register cap (LaunchConfig::uncapped_fp8;
-                            ///< calls with a QK norm run the norm kernel regardless)
+                            ///< never for calls with a QK norm: they run the norm kernel)
   /// cuda::PoolVariant bits: 0 for pools in q's dtype with page size 1 (the seed's kernels);
   /// paged pools, fp8 pools and an fp8 q_out run kernels of their own.
   int pool_variant = 0;

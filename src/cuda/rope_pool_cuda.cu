@@ -260,7 +260,9 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   assert(c.fp8_q_units == 0 || c.fp8_q_units == 1 || c.fp8_q_units == 2 || c.fp8_q_units == 4);
   plan.q_item_units = !(fp8_q && no_row_lock) ? cuda::kQUnits : c.fp8_q_units > 0 ? c.fp8_q_units : cuda::kQUnitsFp8;
   assert(c.uncapped_fp8 >= -1 && c.uncapped_fp8 <= 1);
-  plan.uncapped = (fp8_pool || fp8_q) && c.uncapped_fp8 >= 0 && plan.path == Path::Tuned &&
+  // (Calls with a QK norm run the norm kernel, which has no uncapped form.)
+  const bool norm = p.q_norm_weight != nullptr || p.k_norm_weight != nullptr;
+  plan.uncapped = (fp8_pool || fp8_q) && !norm && c.uncapped_fp8 >= 0 && plan.path == Path::Tuned &&
                   D == 128 && (T <= cuda::kUncappedMaxTokens || c.uncapped_fp8 == 1);
 
   // Work per token, in warp items (kernel header): the kv items, plus q items of
