@@ -447,7 +447,7 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
   std::printf("\nSPEC 6 caches (bf16 q/k/v, Hq 32, Hk 8, D 128, 262144-slot caches; copy %.0f GB/s):\n", copy / 1e9);
   std::printf("%8s  %-40s %10s %9s %7s %10s %10s  %s\n", "T", "cache", "us/call", "GB/s", "%copy", "graph us", "kernel",
               "fp8 k and v on one item (T <= 256): us/call | graph us; the other fp8 kernel (T <= 256, capped or uncapped): us/call | graph us; "
-              "xN[q1](Ww): the uncapped kernel with a token over N CTAs of W warps [q items of 1 unit]: us/call | graph us");
+              "xN(Ww): the uncapped kernel with a token over N CTAs of W warps: us/call | graph us");
   g_json += ", \"pools\": [";
   bool first_row = true;
   for (int64_t T : tokens)
@@ -468,7 +468,7 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
         tg1 = time_graph(w, s, one);
       }
       // The other fp8 kernel in the same run: where the plan takes the one without its
-      // register cap (T <= 128), the capped one (LaunchConfig::uncapped_fp8 = -1); where it
+      // register cap (T <= 256), the capped one (LaunchConfig::uncapped_fp8 = -1); where it
       // takes the capped one at T <= 256, the uncapped one (uncapped_fp8 = 1).
       double t_other = 0, tg_other = 0;
       detail::cuda_launch::LaunchConfig other;
@@ -478,27 +478,26 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
         t_other = time_stream(w, other, s);
         tg_other = time_graph(w, s, other);
       }
-      // The uncapped kernel with a token's items over several CTAs (LaunchConfig::ctas_per_token)
-      // and, with an fp8 q_out, q items of one unit (fp8_q_units = 1).
+      // The uncapped kernel with a token's items over other numbers of CTAs
+      // (LaunchConfig::ctas_per_token) than the plan's, in the same run.
       std::string split_times;
-      if (plan.uncapped) {
-        const bool fp8_q = plan.q_item_units != 4;
-        for (auto [ctas, q_units] : {std::pair{2, 0}, {3, 0}, {3, 1}, {5, 1}}) {
-          if (q_units && !fp8_q) continue;
+      if (plan.uncapped)
+        for (int ctas : {1, 2, 3}) {
           detail::cuda_launch::LaunchConfig c;
-          c.ctas_per_token = ctas, c.fp8_q_units = q_units;
+          c.ctas_per_token = ctas;
           const auto sp = detail::cuda_launch::plan_launch(w.problem(0, s), c);
+          if (sp.ctas_per_token == plan.ctas_per_token) continue;
           char b[64];
-          std::snprintf(b, sizeof b, "; x%d%s(%dw) %.2f | %.2f", sp.ctas_per_token, q_units ? "q1" : "",
-                        sp.config.warps_per_cta, time_stream(w, c, s) * 1e6, time_graph(w, s, c) * 1e6);
+          std::snprintf(b, sizeof b, "; x%d(%dw) %.2f | %.2f", sp.ctas_per_token, sp.config.warps_per_cta,
+                        time_stream(w, c, s) * 1e6, time_graph(w, s, c) * 1e6);
           split_times += b;
         }
-      }
       const double gbps = w.bytes() / t;
       char kernel[48];
-      std::snprintf(kernel, sizeof kernel, "%s v%d %dw%s%s%s",
+      std::snprintf(kernel, sizeof kernel, "%s v%d %s%dw%s%s%s",
                     plan.path == detail::cuda_launch::Path::Tuned ? "tuned" : plan.path == detail::cuda_launch::Path::Vector ? "vector" : "scalar",
-                    plan.pool_variant, plan.config.warps_per_cta, split ? " kv2" : "", plan.q_item_units != 4 ? " q2" : "", plan.uncapped ? " unc" : "");
+                    plan.pool_variant, plan.ctas_per_token > 1 ? ("x" + std::to_string(plan.ctas_per_token) + " ").c_str() : "",
+                    plan.config.warps_per_cta, split ? " kv2" : "", plan.q_item_units != 4 ? " q2" : "", plan.uncapped ? " unc" : "");
       char one_item[48] = "";
       if (t1 > 0) std::snprintf(one_item, sizeof one_item, "%.2f | %.2f", t1 * 1e6, tg1 * 1e6);
       char capped[64] = "";

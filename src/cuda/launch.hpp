@@ -22,11 +22,11 @@ struct LaunchConfig {
   /// no row lock (T <= kMaxScanTokens; a row's lock is held by one warp); -1 off (one kv item).
   int split_fp8_kv = 0;
   /// fp8 kernels (pool or q_out; head_dim 128 tuned) without the 3-4 CTAs per SM register
-  /// cap: 0 (default) where T <= cuda::kUncappedMaxTokens (a CTA per token: at most one per
-  /// SM, so the cap buys no occupancy there); 1 at every T (the benchmark times it beyond that
-  /// bound); -1 off (the capped kernel at every T).
+  /// cap: 0 (default) where T <= cuda::kUncappedMaxTokens (small grids, where the cap buys no
+  /// occupancy that matters); 1 at every T; -1 off (the capped kernel at every T).
   int uncapped_fp8 = 0;
-  /// The uncapped fp8 kernel only: a token's warp items over this many CTAs (0 default: 1).
+  /// The uncapped fp8 kernel only: a token's warp items over this many CTAs (0 default: CTAs
+  /// of two warps, so that a small call's e4m3 work issues on more SMs).
   int ctas_per_token = 0;
   /// An fp8 q_out where no row lock is taken: q units per lane per q item, 1, 2 or 4 (0
   /// default: cuda::kQUnitsFp8).

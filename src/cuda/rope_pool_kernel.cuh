@@ -39,7 +39,7 @@ constexpr int kKUnits = 2;  ///< k units per lane per kv round
 constexpr int kVVecs = 4;   ///< v vectors per lane per kv round
 constexpr int kStage = 8;   ///< raw vectors a lane holds: 2*kQUnits == 2*kKUnits + kVVecs
 constexpr int kSlotLocks = 1 << 16;
-constexpr int kUncappedMaxTokens = 128;  ///< LaunchConfig::uncapped_fp8 up to this many tokens
+constexpr int kUncappedMaxTokens = 256;  ///< LaunchConfig::uncapped_fp8 up to this many tokens
 constexpr int kMaxScanTokens = 256;  ///< duplicate scan in shared memory up to this many tokens
 
 /// How a kernel keeps two tokens with one slot from mixing their rows (SPEC §3).

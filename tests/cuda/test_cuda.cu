@@ -1320,12 +1320,13 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
     first = std::string("plan ") + (uncapped ? "took" : "did not take") + " the uncapped fp8 kernel" +
             (first.empty() ? "" : "; " + first);
   }
-  if (pc.ctas_per_token > 1 && !pc.norm) {
-    // At most one CTA per warp item: the NeoX units of a head of 16-byte vectors, D / 16 for
-    // 2-byte elements and D / 8 for float32 (the cases that set ctas_per_token: R = D, NeoX).
+  if (uncapped && !pc.norm) {
+    // The uncapped kernel (tuned, NeoX, D = 128) spreads a token's warp items over CTAs of two
+    // warps, or over ctas_per_token CTAs (at most one per item). A head is D / 16 NeoX units
+    // of 16-byte vectors for 2-byte elements, D / 8 for float32.
     const int64_t units = pc.D / (pc.dtype == DType::Float32 ? 8 : 16);
     const int64_t items = want_kv + (pc.Hq * units + 32 * want_q - 1) / (32 * want_q);
-    const int64_t want_ctas = std::min<int64_t>(pc.ctas_per_token, items);
+    const int64_t want_ctas = pc.ctas_per_token ? std::min<int64_t>(pc.ctas_per_token, items) : (items + 1) / 2;
     if (ctas != want_ctas) {
       ++bad;
       first = "plan spread a token over " + std::to_string(ctas) + " CTA(s), expected " +
@@ -1463,32 +1464,31 @@ void test_fp8_pools(Rng& rng) {
             if (!c.fp8_pool) c.cache = Cache::Pool3D;
             run_pool_case(c, rng, "fp8");
           }
-    // Beyond T = 128 the default is the capped kernel; LaunchConfig::uncapped_fp8 = 1 runs the
-    // uncapped one at any T (the benchmark times it at T = 256): the scan (T <= 256) and the
-    // row-lock (T > 256) write modes.
+    // Beyond T = 256 the default is the capped kernel; LaunchConfig::uncapped_fp8 = 1 runs the
+    // uncapped one at any T: the scan (T <= 256) and the row-lock (T > 256) write modes.
     for (int64_t T : {int64_t(129), int64_t(256), int64_t(300)})
       for (int fp8 : {1, 3})
         for (bool pow2 : {false, true})
           for (bool forced : {false, true}) {
             PoolCase c = base;
-            c.T = T, c.Hq = 32, c.Hk = 8, c.D = 128, c.forced_uncapped = forced, c.expect_uncapped = forced;
+            c.T = T, c.Hq = 32, c.Hk = 8, c.D = 128, c.forced_uncapped = forced, c.expect_uncapped = forced || T <= 256;
             c.fp8_pool = fp8 & 1, c.fp8_q = fp8 & 2, c.q_scale = pow2 ? 0.5f : 0.07f;
             if (pow2) c.k_scale = 0.25f, c.v_scale = 1.0f;
             c.cache = Cache::NHD, c.page_size = 16;
             run_pool_case(c, rng, "fp8");
           }
-    // The uncapped kernel with a token's items over several CTAs (LaunchConfig::ctas_per_token)
-    // and q items of 1 or 2 units (fp8_q_units).
+    // The uncapped kernel with a token's items over a given number of CTAs
+    // (LaunchConfig::ctas_per_token) and q items of 1 or 2 units (fp8_q_units).
     for (int64_t T : {int64_t(1), int64_t(37), int64_t(128)})
       for (int fp8 : {1, 2, 3})
-        for (int ctas : {2, 3, 5})
+        for (int ctas : {1, 2, 5})
           for (int q_units : {0, 1}) {
             if (q_units && !(fp8 & 2)) continue;
             PoolCase c = base;
             c.T = T, c.Hq = 32, c.Hk = 8, c.D = 128, c.expect_uncapped = 1;
             c.ctas_per_token = ctas, c.fp8_q_units = q_units;
-            c.fp8_pool = fp8 & 1, c.fp8_q = fp8 & 2, c.q_scale = ctas == 3 ? 0.5f : 0.07f;
-            if (ctas == 3) c.k_scale = 0.25f, c.v_scale = 1.0f;
+            c.fp8_pool = fp8 & 1, c.fp8_q = fp8 & 2, c.q_scale = ctas == 2 ? 0.5f : 0.07f;
+            if (ctas == 2) c.k_scale = 0.25f, c.v_scale = 1.0f;
             c.cache = fp8 & 1 ? Cache::NHD : Cache::Pool3D, c.page_size = 16;
             run_pool_case(c, rng, "fp8");
           }
