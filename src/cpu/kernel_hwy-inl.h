@@ -790,6 +790,18 @@ HWY_INLINE void QuantizeRow(const typename E::T* in, uint8_t* out, int64_t n, Di
 // fp8 q_rot row, MLA's k_pe part of a cache row; may be null), four vectors of codes per store.
 // No float32 row in between; the pass-through elements are copied and quantised as read.
 // `stream`: non-temporal stores where every store of a row lands vector-aligned.
+// hn::MulAdd's arithmetic on one float: fused where the target's MulAdd is, else two
+// roundings. The scalar tails below spell out which product is rounded, so that they are the
+// vector steps' bits in every instantiation (left to contraction, the compiler fused a different
+// product in the float16 and float32 ones).
+HWY_INLINE float MulAddLikeVector(float a, float b, float c) {
+#if HWY_NATIVE_FMA
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 template <class E>
 HWY_INLINE void RotateRowWithE4M3(const typename E::T* x, typename E::T* out, uint8_t* codes,
                                   const float* HWY_RESTRICT cos_t, const float* HWY_RESTRICT sin_t,
@@ -836,8 +848,9 @@ HWY_INLINE void RotateRowWithE4M3(const typename E::T* x, typename E::T* out, ui
 #endif
     for (; i < run; i += 2) {  // i is even here: vectors hold whole pairs
       const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + 1]);
-      const float c = cos_il[i], s = sin_il[i + 1];
-      const float lo = a * c - b * s, hi = a * s + b * c;
+      // step's lanes: a*cos + round(b*(-sin)), b*cos + round(a*sin)
+      const float bs = b * sin_il[i], as = a * sin_il[i + 1];
+      const float lo = MulAddLikeVector(a, cos_il[i], bs), hi = MulAddLikeVector(b, cos_il[i + 1], as);
       if (out) out[i] = E::scalar_store(lo), out[i + 1] = E::scalar_store(hi);
       if (codes) codes[i] = float_to_e4m3(lo / d.scale), codes[i + 1] = float_to_e4m3(hi / d.scale);
     }
@@ -886,7 +899,9 @@ HWY_INLINE void RotateRowWithE4M3(const typename E::T* x, typename E::T* out, ui
     }
     for (; i < run; ++i) {  // when R/2 is not a multiple of the vector length
       const float a = E::scalar_load(x[i]), b = E::scalar_load(x[i + run]);
-      const float lo = a * cos_t[i] - b * sin_t[i], hi = a * sin_t[i] + b * cos_t[i];
+      // step's arithmetic: a*cos - round(b*sin), a*sin + round(b*cos)
+      const float bs = b * sin_t[i], bc = b * cos_t[i];
+      const float lo = MulAddLikeVector(a, cos_t[i], -bs), hi = MulAddLikeVector(a, sin_t[i], bc);
       if (out) out[i] = E::scalar_store(lo), out[i + run] = E::scalar_store(hi);
       if (codes) codes[i] = float_to_e4m3(lo / d.scale), codes[i + run] = float_to_e4m3(hi / d.scale);
     }
