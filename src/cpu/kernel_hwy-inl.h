@@ -679,12 +679,24 @@ HWY_INLINE void E4M3Codes2(DF df, VF v0, VF v1, hn::Vec<DU32>& c0, hn::Vec<DU32>
 
 #if HWY_TARGET != HWY_SCALAR
 // The e4m3 codes of 2N elements held as (even, odd) float vectors (the bf16 split of the file
-// comment), in memory order: lane j's code pair (even | odd << 8) truncated to 16 bits is
-// bytes 2j and 2j + 1 (half a vector of bytes).
-HWY_INLINE VU16 E4M3EvenOdd(DF df, VF even, VF odd) {
+// comment), in memory order: lane j's code pair (even | odd << 8) is bytes 2j and 2j + 1. On
+// x86 from SSE4 on they stay in 32-bit lanes until two such vectors are stored together
+// (StoreE4M3Full below: one unsigned saturating pack and one permutation of 64-bit words, for
+// a truncation per vector and a concatenation); elsewhere they are truncated to 16 bits here.
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_SSE4
+using EvenOddCodes = hn::Vec<DU32>;
+#else
+using EvenOddCodes = VU16;
+#endif
+HWY_INLINE EvenOddCodes E4M3EvenOdd(DF df, VF even, VF odd) {
   hn::Vec<DU32> code_e, code_o;
   E4M3Codes2(df, even, odd, code_e, code_o);
-  return hn::TruncateTo(DU16(), hn::Or(code_e, hn::ShiftLeft<8>(code_o)));
+  const auto pairs = hn::Or(code_e, hn::ShiftLeft<8>(code_o));
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_SSE4
+  return pairs;
+#else
+  return hn::TruncateTo(DU16(), pairs);
+#endif
 }
 
 using DU8Full = hn::Repartition<uint8_t, DF>;
@@ -693,6 +705,9 @@ using DU8Full = hn::Repartition<uint8_t, DF>;
 HWY_INLINE void StoreE4M3Half(VU16 codes, uint8_t* p) {
   hn::StoreU(hn::BitCast(hn::Repartition<uint8_t, DU16>(), codes), hn::Repartition<uint8_t, DU16>(), p);
 }
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_SSE4
+HWY_INLINE void StoreE4M3Half(hn::Vec<DU32> pairs, uint8_t* p) { StoreE4M3Half(hn::TruncateTo(DU16(), pairs), p); }
+#endif
 
 // Stores the codes of 4N elements, [0, 2N) in `lower`, as one full vector: a non-temporal
 // store where `stream` (p vector-aligned). The e4m3 rows are written this way, straight from
@@ -706,6 +721,29 @@ HWY_INLINE void StoreE4M3Full(VU16 lower, VU16 upper, uint8_t* p, bool stream) {
   (void)stream;
   hn::StoreU(bytes, DU8Full(), p);
 }
+
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_SSE4
+// The same for E4M3EvenOdd's 32-bit lanes (code pairs below 2^16): the pack per 128-bit block
+// puts block b's four pairs of `lower`, then of `upper`, into 64-bit words 2b and 2b + 1, and
+// the permutation takes `lower`'s words first.
+HWY_INLINE void StoreE4M3Full(hn::Vec<DU32> lower, hn::Vec<DU32> upper, uint8_t* p, bool stream) {
+#if HWY_TARGET <= HWY_AVX3
+  const __m512i packed = _mm512_packus_epi32(lower.raw, upper.raw);
+  const hn::Vec<DU8Full> bytes{
+      _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), packed)};
+#elif HWY_TARGET == HWY_AVX2
+  const hn::Vec<DU8Full> bytes{
+      _mm256_permute4x64_epi64(_mm256_packus_epi32(lower.raw, upper.raw), _MM_SHUFFLE(3, 1, 2, 0))};
+#else
+  const hn::Vec<DU8Full> bytes{_mm_packus_epi32(lower.raw, upper.raw)};
+#endif
+  if constexpr (kCanStream) {
+    if (stream) return hn::Stream(bytes, DU8Full(), p);
+  }
+  (void)stream;
+  hn::StoreU(bytes, DU8Full(), p);
+}
+#endif
 
 // The codes of 4N elements in memory order, four vectors of E4M3Code results c0..c3 (a code
 // per 32-bit lane, 0 to 255), in one full vector, built in two steps so that fewer vectors
@@ -1010,7 +1048,7 @@ HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t*
   const bool stream_pool = stream && pool && half % (4 * N) == 0 && Aligned(pool, size_t(4 * N));
   // One chunk of 2N pairs at i: k_rot stored, the e4m3 codes of [i, i + 2N) and
   // [half + i, half + i + 2N) returned.
-  auto chunk = [&](int64_t i, VU16& lo_codes, VU16& hi_codes) __attribute__((always_inline)) {
+  auto chunk = [&](int64_t i, EvenOddCodes& lo_codes, EvenOddCodes& hi_codes) __attribute__((always_inline)) {
     VF lo_even, lo_odd, hi_even, hi_odd;
     RotateChunkBF16(x, half, i, cos_t, sin_t, lo_even, lo_odd, hi_even, hi_odd);
     if (out) {
@@ -1022,7 +1060,7 @@ HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t*
       hi_codes = E4M3EvenOdd(df, Scaled(df, hi_even, d), Scaled(df, hi_odd, d));
     }
   };
-  VU16 lo0, hi0, lo1, hi1;
+  EvenOddCodes lo0, hi0, lo1, hi1;
   int64_t i = 0;
   if (pool) {
     for (; i + 4 * N <= half; i += 4 * N) {
@@ -1062,7 +1100,7 @@ HWY_INLINE void RotateRowInterleavedBF16WithE4M3(const uint16_t* x, uint16_t* ou
   // the codes in whole vectors of 4N: the rotated part and the rest start vector-aligned
   const bool stream_codes =
       stream && codes && rotary_dim % (4 * N) == 0 && Aligned(codes, size_t(4 * N));
-  auto chunk = [&](int64_t j, VU16& c) __attribute__((always_inline)) {
+  auto chunk = [&](int64_t j, EvenOddCodes& c) __attribute__((always_inline)) {
     VF a, b;
     LoadBF16EvenOdd(x + j, a, b);
     const VF cs = hn::LoadU(df, cos_t + j / 2), sn = hn::LoadU(df, sin_t + j / 2);
@@ -1070,7 +1108,7 @@ HWY_INLINE void RotateRowInterleavedBF16WithE4M3(const uint16_t* x, uint16_t* ou
     if (out) StoreU16(PackBF16EvenOdd(even, odd), out + j, stream_here);
     if (codes) c = E4M3EvenOdd(df, Scaled(df, even, d), Scaled(df, odd, d));
   };
-  VU16 c0, c1;
+  EvenOddCodes c0, c1;
   int64_t j = 0;
   if (codes) {
     for (; j + 4 * N <= rotary_dim; j += 4 * N) {
