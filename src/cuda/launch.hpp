@@ -26,7 +26,8 @@ struct LaunchConfig {
   /// occupancy that matters); 1 at every T; -1 off (the capped kernel at every T).
   int uncapped_fp8 = 0;
   /// The uncapped fp8 kernel only: a token's warp items over this many CTAs (0 default: CTAs
-  /// of two warps, so that a small call's e4m3 work issues on more SMs).
+  /// of two warps up to T = cuda::kSplitMaxTokens, so that a small call's e4m3 work issues on
+  /// more SMs; one CTA beyond).
   int ctas_per_token = 0;
   /// An fp8 q_out where no row lock is taken: q units per lane per q item, 1, 2 or 4 (0
   /// default: cuda::kQUnitsFp8).

@@ -279,14 +279,15 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
 
   // A CTA per token, one warp per item, so the token's items run side by side; the warp
   // count is the only choice left (no other shape measured faster: docs/CUDA.md).
-  // The uncapped fp8 kernel spreads a token's items over CTAs of two warps (gridDim.y): at
-  // small T a token's e4m3 work is the longest chain, and more CTAs put it on more SMs
-  // (docs/CUDA.md, "Launch shape").
+  // Up to T = 128 the uncapped fp8 kernel spreads a token's items over CTAs of two warps
+  // (gridDim.y): at small T a token's e4m3 work is the longest chain, and more CTAs put it on
+  // more SMs (docs/CUDA.md, "Launch shape").
   assert(c.ctas_per_token >= 0);
   const int whole_items = int(std::ceil(items_per_token));
-  plan.ctas_per_token = !plan.uncapped            ? 1
-                        : c.ctas_per_token > 0 ? std::min(c.ctas_per_token, whole_items)
-                                               : (whole_items + 1) / 2;
+  plan.ctas_per_token = !plan.uncapped                   ? 1
+                        : c.ctas_per_token > 0          ? std::min(c.ctas_per_token, whole_items)
+                        : T <= cuda::kSplitMaxTokens ? (whole_items + 1) / 2
+                                                        : 1;
   if (c.warps_per_cta <= 0)
     c.warps_per_cta = int(std::min<double>(cuda::kMaxWarpsPerCta, std::ceil(items_per_token / plan.ctas_per_token)));
   c.warps_per_cta = std::clamp(c.warps_per_cta, 1, cuda::kMaxWarpsPerCta);

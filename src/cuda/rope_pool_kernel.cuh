@@ -40,6 +40,7 @@ constexpr int kVVecs = 4;   ///< v vectors per lane per kv round
 constexpr int kStage = 8;   ///< raw vectors a lane holds: 2*kQUnits == 2*kKUnits + kVVecs
 constexpr int kSlotLocks = 1 << 16;
 constexpr int kUncappedMaxTokens = 256;  ///< LaunchConfig::uncapped_fp8 up to this many tokens
+constexpr int kSplitMaxTokens = 128;     ///< the uncapped kernel's CTAs of two warps up to this T
 constexpr int kMaxScanTokens = 256;  ///< duplicate scan in shared memory up to this many tokens
 
 /// How a kernel keeps two tokens with one slot from mixing their rows (SPEC §3).

@@ -1322,11 +1322,14 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   }
   if (uncapped && !pc.norm) {
     // The uncapped kernel (tuned, NeoX, D = 128) spreads a token's warp items over CTAs of two
-    // warps, or over ctas_per_token CTAs (at most one per item). A head is D / 16 NeoX units
-    // of 16-byte vectors for 2-byte elements, D / 8 for float32.
+    // warps up to T = 128 and keeps one CTA beyond, or takes ctas_per_token CTAs (at most one
+    // per item). A head is D / 16 NeoX units of 16-byte vectors for 2-byte elements, D / 8 for
+    // float32.
     const int64_t units = pc.D / (pc.dtype == DType::Float32 ? 8 : 16);
     const int64_t items = want_kv + (pc.Hq * units + 32 * want_q - 1) / (32 * want_q);
-    const int64_t want_ctas = pc.ctas_per_token ? std::min<int64_t>(pc.ctas_per_token, items) : (items + 1) / 2;
+    const int64_t want_ctas = pc.ctas_per_token ? std::min<int64_t>(pc.ctas_per_token, items)
+                              : pc.T <= 128        ? (items + 1) / 2
+                                                   : 1;
     if (ctas != want_ctas) {
       ++bad;
       first = "plan spread a token over " + std::to_string(ctas) + " CTA(s), expected " +
