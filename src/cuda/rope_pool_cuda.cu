@@ -277,8 +277,8 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
          kv_span + 32 * cuda::kVVecs < (int64_t(1) << 24));
   (void)kv_span;
 
-  // A CTA per token, one warp per item, so the token's items run side by side; the warp
-  // count is the only choice left (no other shape measured faster: docs/CUDA.md).
+  // A CTA per token, one warp per item, so the token's items run side by side; for the seed's
+  // pools the warp count is the only choice left (no other shape measured faster: docs/CUDA.md).
   // Up to T = 128 the uncapped fp8 kernel spreads a token's items over CTAs of two warps
   // (gridDim.y): at small T a token's e4m3 work is the longest chain, and more CTAs put it on
   // more SMs (docs/CUDA.md, "Launch shape").
