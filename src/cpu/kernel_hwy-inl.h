@@ -683,7 +683,13 @@ HWY_INLINE void E4M3Codes2(DF df, VF v0, VF v1, hn::Vec<DU32>& c0, hn::Vec<DU32>
 // x86 from SSE4 on they stay in 32-bit lanes until two such vectors are stored together
 // (StoreE4M3Full below: one unsigned saturating pack and one permutation of 64-bit words, for
 // a truncation per vector and a concatenation); elsewhere they are truncated to 16 bits here.
+#undef ROPEPOOL_E4M3_PAIR_WORDS  // defined per target
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_SSE4
+#define ROPEPOOL_E4M3_PAIR_WORDS 1
+#else
+#define ROPEPOOL_E4M3_PAIR_WORDS 0
+#endif
+#if ROPEPOOL_E4M3_PAIR_WORDS
 using EvenOddCodes = hn::Vec<DU32>;
 #else
 using EvenOddCodes = VU16;
@@ -692,7 +698,7 @@ HWY_INLINE EvenOddCodes E4M3EvenOdd(DF df, VF even, VF odd) {
   hn::Vec<DU32> code_e, code_o;
   E4M3Codes2(df, even, odd, code_e, code_o);
   const auto pairs = hn::Or(code_e, hn::ShiftLeft<8>(code_o));
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_SSE4
+#if ROPEPOOL_E4M3_PAIR_WORDS
   return pairs;
 #else
   return hn::TruncateTo(DU16(), pairs);
@@ -705,7 +711,7 @@ using DU8Full = hn::Repartition<uint8_t, DF>;
 HWY_INLINE void StoreE4M3Half(VU16 codes, uint8_t* p) {
   hn::StoreU(hn::BitCast(hn::Repartition<uint8_t, DU16>(), codes), hn::Repartition<uint8_t, DU16>(), p);
 }
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_SSE4
+#if ROPEPOOL_E4M3_PAIR_WORDS
 HWY_INLINE void StoreE4M3Half(hn::Vec<DU32> pairs, uint8_t* p) { StoreE4M3Half(hn::TruncateTo(DU16(), pairs), p); }
 #endif
 
@@ -722,7 +728,7 @@ HWY_INLINE void StoreE4M3Full(VU16 lower, VU16 upper, uint8_t* p, bool stream) {
   hn::StoreU(bytes, DU8Full(), p);
 }
 
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_SSE4
+#if ROPEPOOL_E4M3_PAIR_WORDS
 // The same for E4M3EvenOdd's 32-bit lanes (code pairs below 2^16): the pack per 128-bit block
 // puts block b's four pairs of `lower`, then of `upper`, into 64-bit words 2b and 2b + 1, and
 // the permutation takes `lower`'s words first.
@@ -821,13 +827,6 @@ HWY_INLINE void QuantizeRow(const typename E::T* in, uint8_t* out, int64_t n, Di
   for (; i < n; ++i) out[i] = float_to_e4m3(E::scalar_load(in[i]) / d.scale);
 }
 
-// One head of E's dtype rotated once in float32, with the operations of RotateRow (half-split
-// pairs, cos_t/sin_t in plain order) or RotateRowInterleaved (GPT-J pairs, the interleaved
-// tables cos_il/sin_il), and from the same registers: k_rot rounded to E's dtype (`out`, may be
-// null) and the rotated values divided by the scale and quantised (`codes`: the k pool row, an
-// fp8 q_rot row, MLA's k_pe part of a cache row; may be null), four vectors of codes per store.
-// No float32 row in between; the pass-through elements are copied and quantised as read.
-// `stream`: non-temporal stores where every store of a row lands vector-aligned.
 // hn::MulAdd's arithmetic on one float: fused where the target's MulAdd is, else two
 // roundings. The scalar tails below spell out which product is rounded, so that they are the
 // vector steps' bits in every instantiation (left to contraction, the compiler fused a different
@@ -840,6 +839,13 @@ HWY_INLINE float MulAddLikeVector(float a, float b, float c) {
 #endif
 }
 
+// One head of E's dtype rotated once in float32, with the operations of RotateRow (half-split
+// pairs, cos_t/sin_t in plain order) or RotateRowInterleaved (GPT-J pairs, the interleaved
+// tables cos_il/sin_il), and from the same registers: k_rot rounded to E's dtype (`out`, may be
+// null) and the rotated values divided by the scale and quantised (`codes`: the k pool row, an
+// fp8 q_rot row, MLA's k_pe part of a cache row; may be null), four vectors of codes per store.
+// No float32 row in between; the pass-through elements are copied and quantised as read.
+// `stream`: non-temporal stores where every store of a row lands vector-aligned.
 template <class E>
 HWY_INLINE void RotateRowWithE4M3(const typename E::T* x, typename E::T* out, uint8_t* codes,
                                   const float* HWY_RESTRICT cos_t, const float* HWY_RESTRICT sin_t,
