@@ -480,13 +480,17 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
       }
       // The uncapped kernel with a token's items over other numbers of CTAs
       // (LaunchConfig::ctas_per_token) than the plan's, in the same run.
+      // Up to one warp per CTA (the planner clamps the count to the token's items); each
+      // shape once.
       std::string split_times;
+      std::vector<int> timed{plan.ctas_per_token};
       if (plan.uncapped)
-        for (int ctas : {1, 2, 3}) {
+        for (int ctas : {1, 2, 3, 4, 6}) {
           detail::cuda_launch::LaunchConfig c;
           c.ctas_per_token = ctas;
           const auto sp = detail::cuda_launch::plan_launch(w.problem(0, s), c);
-          if (sp.ctas_per_token == plan.ctas_per_token) continue;
+          if (std::find(timed.begin(), timed.end(), sp.ctas_per_token) != timed.end()) continue;
+          timed.push_back(sp.ctas_per_token);
           char b[64];
           std::snprintf(b, sizeof b, "; x%d(%dw) %.2f | %.2f", sp.ctas_per_token, sp.config.warps_per_cta,
                         time_stream(w, c, s) * 1e6, time_graph(w, s, c) * 1e6);
