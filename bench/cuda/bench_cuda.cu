@@ -447,7 +447,8 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
   std::printf("\nSPEC 6 caches (bf16 q/k/v, Hq 32, Hk 8, D 128, 262144-slot caches; copy %.0f GB/s):\n", copy / 1e9);
   std::printf("%8s  %-40s %10s %9s %7s %10s %10s  %s\n", "T", "cache", "us/call", "GB/s", "%copy", "graph us", "kernel",
               "fp8 k and v on one item (T <= 256): us/call | graph us; the other fp8 kernel (T <= 256, capped or uncapped): us/call | graph us; "
-              "xN(Ww): the uncapped kernel with a token over N CTAs of W warps: us/call | graph us");
+              "xN(Ww): the uncapped kernel with a token over N CTAs of W warps: us/call | graph us; "
+              "pN(Ww): a call in q's dtype on the uncapped kernel (split_plain), likewise");
   g_json += ", \"pools\": [";
   bool first_row = true;
   for (int64_t T : tokens)
@@ -481,19 +482,23 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
       // The uncapped kernel with a token's items over other numbers of CTAs
       // (LaunchConfig::ctas_per_token) than the plan's, in the same run.
       // Up to one warp per CTA (the planner clamps the count to the token's items); each
-      // shape once.
+      // shape once. A call in q's dtype at T <= 256: the same shapes through
+      // LaunchConfig::split_plain ("pN(Ww)").
       std::string split_times;
-      std::vector<int> timed{plan.ctas_per_token};
-      if (plan.uncapped)
+      std::vector<int> timed{plan.uncapped ? plan.ctas_per_token : 0};
+      detail::cuda_launch::LaunchConfig plain;
+      plain.split_plain = 1;
+      const bool split_plain = !plan.uncapped && T <= 256 && detail::cuda_launch::plan_launch(w.problem(0, s), plain).uncapped;
+      if (plan.uncapped || split_plain)
         for (int ctas : {1, 2, 3, 4, 6}) {
-          detail::cuda_launch::LaunchConfig c;
+          detail::cuda_launch::LaunchConfig c = split_plain ? plain : detail::cuda_launch::LaunchConfig{};
           c.ctas_per_token = ctas;
           const auto sp = detail::cuda_launch::plan_launch(w.problem(0, s), c);
           if (std::find(timed.begin(), timed.end(), sp.ctas_per_token) != timed.end()) continue;
           timed.push_back(sp.ctas_per_token);
           char b[64];
-          std::snprintf(b, sizeof b, "; x%d(%dw) %.2f | %.2f", sp.ctas_per_token, sp.config.warps_per_cta,
-                        time_stream(w, c, s) * 1e6, time_graph(w, s, c) * 1e6);
+          std::snprintf(b, sizeof b, "; %s%d(%dw) %.2f | %.2f", split_plain ? "p" : "x", sp.ctas_per_token,
+                        sp.config.warps_per_cta, time_stream(w, c, s) * 1e6, time_graph(w, s, c) * 1e6);
           split_times += b;
         }
       const double gbps = w.bytes() / t;

@@ -32,6 +32,10 @@ struct LaunchConfig {
   /// An fp8 q_out where no row lock is taken: q units per lane per q item, 1, 2 or 4 (0
   /// default: cuda::kQUnitsFp8).
   int fp8_q_units = 0;
+  /// A call whose pools and q_out are in q's dtype (head_dim 128 tuned, no QK norm): 1 runs
+  /// it on the uncapped kernel of the paged variant (a 3-D pool as page size 1), so that
+  /// ctas_per_token applies to it; 0 (default) the seed's or the paged kernels.
+  int split_plain = 0;
 };
 
 /// Which kernel a problem runs on: a tuned head size, the generic 16-byte path, or the
@@ -47,8 +51,8 @@ struct LaunchPlan {
   int pool_write_mode = 0;  ///< cuda::PoolWriteMode
   int kv_items = 1;         ///< kv warp items per token (LaunchConfig::split_fp8_kv)
   int q_item_units = 4;     ///< q units per lane per q item (cuda::kQUnits, or kQUnitsFp8)
-  bool uncapped = false;    ///< the fp8 kernel without the register cap (LaunchConfig::uncapped_fp8;
-                            ///< never for calls with a QK norm: they run the norm kernel)
+  bool uncapped = false;    ///< the kernel without the register cap (LaunchConfig::uncapped_fp8,
+                            ///< split_plain; never for calls with a QK norm: they run the norm kernel)
   /// cuda::PoolVariant bits: 0 for pools in q's dtype with page size 1 (the seed's kernels);
   /// paged pools, fp8 pools and an fp8 q_out run kernels of their own.
   int pool_variant = 0;

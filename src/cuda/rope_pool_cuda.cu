@@ -264,6 +264,12 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   const bool norm = p.q_norm_weight != nullptr || p.k_norm_weight != nullptr;
   plan.uncapped = (fp8_pool || fp8_q) && !norm && c.uncapped_fp8 >= 0 && plan.path == Path::Tuned &&
                   D == 128 && (T <= cuda::kUncappedMaxTokens || c.uncapped_fp8 == 1);
+  // Forced only (benchmark, test): a call in q's dtype on the paged variant's uncapped kernel.
+  assert(c.split_plain == 0 || c.split_plain == 1);
+  if (c.split_plain == 1 && !fp8_pool && !fp8_q && !norm && plan.path == Path::Tuned && D == 128) {
+    plan.pool_variant = cuda::kPoolPaged;
+    plan.uncapped = true;
+  }
 
   // Work per token, in warp items (kernel header): the kv items, plus q items of
   // 32 * plan.q_item_units units.
@@ -388,7 +394,7 @@ void launch(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRecord* r
           "cudaLaunchKernelEx (rope_pool_norm_kernel)");
     return;
   }
-  if constexpr ((kPool & (cuda::kPoolFp8 | cuda::kQOutFp8)) != 0 && kHeadDim == 128) {
+  if constexpr (kPool != 0 && kHeadDim == 128) {
     if (plan.uncapped) {
       check(cudaLaunchKernelEx(
                 &launch,

@@ -965,7 +965,8 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, kPool == (kPoolPaged | k
 
 /// The fp8 main kernels at small T (LaunchConfig::uncapped_fp8): the same body with a bound of
 /// one CTA per SM, so the compiler may use up to 255 registers instead of 64 or 80, and a
-/// token's items over gridDim.y CTAs (LaunchConfig::ctas_per_token).
+/// token's items over gridDim.y CTAs (LaunchConfig::ctas_per_token). The paged variant in q's
+/// dtype has one too, forced only (LaunchConfig::split_plain).
 template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool>
 __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 1)
     rope_pool_token_kernel_uncapped(const __grid_constant__ KernelParams<kFreqCap, true> p) {

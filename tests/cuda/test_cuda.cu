@@ -912,7 +912,8 @@ struct PoolCase {
   bool forced_uncapped = false;  ///< LaunchConfig::uncapped_fp8 = 1 (the uncapped one at every T)
   int ctas_per_token = 0;   ///< LaunchConfig::ctas_per_token (the uncapped kernel's split)
   int fp8_q_units = 0;      ///< LaunchConfig::fp8_q_units
-  int expect_uncapped = -1; ///< 1 or 0: whether the plan must take the uncapped fp8 kernel; -1 any
+  bool split_plain = false; ///< LaunchConfig::split_plain (a call in q's dtype on the uncapped kernel)
+  int expect_uncapped = -1; ///< 1 or 0: whether the plan must take the uncapped kernel; -1 any
   int expect_path = -1;     ///< a Path the plan must choose, or -1
   std::vector<int64_t> slots;  ///< empty: distinct random rows, some negative
   std::string name() const {
@@ -939,6 +940,7 @@ struct PoolCase {
     if (forced_uncapped) n += " uncapped(forced)";
     if (ctas_per_token) n += " ctas/token=" + std::to_string(ctas_per_token);
     if (fp8_q_units) n += " q_units=" + std::to_string(fp8_q_units);
+    if (split_plain) n += " split-plain";
     if (claimed_pool_size) n += " pool_size=" + std::to_string(claimed_pool_size);
     return n;
   }
@@ -1006,6 +1008,7 @@ struct PoolRun {
     cfg.split_fp8_kv = c.no_split ? -1 : 0;
     cfg.uncapped_fp8 = c.capped ? -1 : c.forced_uncapped ? 1 : 0;
     cfg.ctas_per_token = c.ctas_per_token, cfg.fp8_q_units = c.fp8_q_units;
+    cfg.split_plain = c.split_plain ? 1 : 0;
   }
 
   /// The scales the next launch uses: values, or (scale_ptrs) the device floats, with a wrong
@@ -1317,7 +1320,7 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   // A norm call runs the norm kernel: its plan never claims the uncapped one.
   if (pc.norm ? uncapped : pc.expect_uncapped >= 0 && bool(pc.expect_uncapped) != uncapped) {
     ++bad;
-    first = std::string("plan ") + (uncapped ? "took" : "did not take") + " the uncapped fp8 kernel" +
+    first = std::string("plan ") + (uncapped ? "took" : "did not take") + " the uncapped kernel" +
             (first.empty() ? "" : "; " + first);
   }
   if (uncapped && !pc.norm) {
@@ -1380,6 +1383,20 @@ void test_paged_layouts(Rng& rng) {
           }
         }
       }
+  // Pools in q's dtype on the uncapped kernel (LaunchConfig::split_plain, forced only): a 3-D
+  // pool as page size 1 and paged ones, a token's items over the default, one and three CTAs,
+  // in the scan, direct and (T = 300) row-lock write modes.
+  for (DType dt : {DType::BFloat16, DType::Float16, DType::Float32})
+    for (Cache cache : {Cache::Pool3D, Cache::NHD, Cache::HND})
+      for (int64_t T : {int64_t(1), int64_t(37), int64_t(128), int64_t(300)})
+        for (int ctas : {0, 1, 3}) {
+          if (g_sanitize && (dt != DType::BFloat16 || T > 37 || ctas == 1)) continue;
+          PoolCase c;
+          c.dtype = dt, c.cache = cache, c.page_size = cache == Cache::HND ? 64 : 16, c.T = T;
+          c.Hq = 32, c.Hk = 8, c.D = 128, c.split_plain = true, c.ctas_per_token = ctas;
+          c.expect_uncapped = 1;
+          run_pool_case(c, rng, "paged");
+        }
 }
 
 void test_combined_caches(Rng& rng) {
