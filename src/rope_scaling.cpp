@@ -126,7 +126,17 @@ RopeScaling parse_rope_scaling(const ScalingEntries& entries, const RopeScalingC
   for (auto [key, v] : {std::pair{"rope_type", rope_type}, {"type", type}})
     if (v && v->kind != ScalingValue::Kind::String)
       fail(quoted(key) + " must be a string, got " + describe(*v));
-  if (rope_type && type && rope_type->text != type->text)
+  // Agreeing means naming the same type: transformers 5.x keeps Qwen2-VL's "type": "mrope"
+  // beside the "rope_type": "default" it maps it to (config.rope_parameters), and an old
+  // "su" may sit beside "longrope".
+  const auto same_type = [](const std::string& a, const std::string& b) {
+    if (a == b) return true;
+    const auto canonical = [](const std::string& n) -> std::string {
+      return n == "su" ? "longrope" : n == "mrope" ? "default" : n;
+    };
+    return canonical(a) == canonical(b);
+  };
+  if (rope_type && type && !same_type(rope_type->text, type->text))
     fail("rope_scaling has rope_type '" + rope_type->text + "' and type '" + type->text +
          "'; they must agree");
   const std::string name = rope_type ? rope_type->text : type ? type->text : "default";
