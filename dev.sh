@@ -5,7 +5,8 @@
 #   ./dev.sh test    build everything and run every test (C++ with every Highway target,
 #                    `ropepool verify`, the C++ example, C++ under ASan+UBSan and then 60 s
 #                    of libFuzzer (FUZZ_SECONDS) from the same clang 14 build, the
-#                    concurrency suite under TSan, Python, a manylinux wheel tested with the
+#                    concurrency suite under TSan, Python (the tests with a transformers
+#                    oracle twice: transformers 4.x and 5.x), a manylinux wheel tested with the
 #                    system's Highway hidden; the CUDA kernel and its test are compiled
 #                    wherever nvcc exists)
 # Each step has its own build folder (build-bench, build, build-asan, build-tsan,
@@ -45,6 +46,19 @@ venv() {
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q -r requirements-dev.txt
     cp requirements-dev.txt "$stamp"
+  fi
+}
+
+# transformers 5.x for the oracle tests' second run (requirements-transformers5.txt), with no
+# dependencies of its own resolved: into .venv/transformers5, first on PYTHONPATH for that
+# step only, over .venv's packages.
+transformers5() {
+  local dir=.venv/transformers5 stamp=.venv/transformers5/.requirements
+  if ! cmp -s requirements-transformers5.txt "$stamp"; then
+    log "installing requirements-transformers5.txt into $dir"
+    rm -rf "$dir"
+    .venv/bin/python -m pip install -q --no-deps --target "$dir" -r requirements-transformers5.txt
+    cp requirements-transformers5.txt "$stamp"
   fi
 }
 
@@ -157,6 +171,11 @@ case "${1:-}" in
     ROPEPOOL_WITH_CUDA=$cuda_py CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
       .venv/bin/python -m pip install -q --no-build-isolation --no-deps .
     .venv/bin/python -m pytest tests/python -q
+    log "the tests with a transformers oracle again, against transformers 5.x"
+    transformers5
+    PYTHONPATH=.venv/transformers5 .venv/bin/python -c \
+      'import sys, transformers; v = transformers.__version__; print("transformers", v); sys.exit(not v.startswith("5."))'
+    PYTHONPATH=.venv/transformers5 .venv/bin/python -m pytest -q $(grep -l transformers tests/python/test_*.py)
     log "manylinux wheel (CPU backend): built, then tested in a fresh venv with libhwy hidden"
     rm -rf build-wheel/dist
     JOBS=$JOBS scripts/build_wheels.sh --cuda off --out build-wheel/dist

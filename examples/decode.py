@@ -98,7 +98,12 @@ class Engine:
         self.Hq, self.Hk, self.D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         # The schedule once, at model load, from the config as it is in config.json
         # (rope_override: a deliberately wrong one, to show the check can fail).
-        rope = {"rope_base": c.rope_theta, "rope_scaling": c.rope_scaling,
+        # transformers 5.x keeps rope_theta inside config.rope_parameters, with the scaling
+        # keys (ropepool accepts that dict: its rope_theta must equal rope_base); 4.x has
+        # config.rope_theta and config.rope_scaling.
+        params = getattr(c, "rope_parameters", None)
+        rope = {"rope_base": params["rope_theta"] if params else c.rope_theta,
+                "rope_scaling": params if params else c.rope_scaling,
                 **(rope_override or {})}
         self.rope = dict(head_dim=self.D, num_qo_heads=self.Hq, num_kv_heads=self.Hk,
                          rope_base=rope["rope_base"],

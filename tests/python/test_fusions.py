@@ -23,6 +23,7 @@ helpers below look it up at run time.
 
 import importlib
 import inspect
+import types
 
 import numpy as np
 import pytest
@@ -97,6 +98,34 @@ def _inv_freq(rope_base, R, factor=1.0):
     return float(rope_base) ** (-np.arange(0, R, 2, dtype=np.float64) / R) / factor
 
 
+# Each model's text rotary-embedding class (transformers 5.x picks the axes there).
+_MROPE_ROTARY = {"qwen2_vl": "Qwen2VLRotaryEmbedding", "qwen2_5_vl": "Qwen2_5_VLRotaryEmbedding",
+                 "qwen3_vl": "Qwen3VLTextRotaryEmbedding"}
+
+
+def _hf_mrope_freqs(model, theta, section, interleaved):
+    """transformers' choice of each frequency's position axis, applied to theta [3, 1, T, R/2]
+    (float64): [1, T, R] (the half repeated, as its cos/sin tables are), found at run time:
+    - 4.x, Qwen2-VL / Qwen2.5-VL: apply_multimodal_rotary_pos_emb picks the axes while it
+      rotates (None here: the caller rotates with it);
+    - 4.x, Qwen3-VL: apply_interleaved_mrope (a function, or in 4.57 a method of the rotary
+      embedding that does not use self);
+    - 5.x: the rotary embedding's recomposition_frequencies(freq), a method that reads only
+      self.mrope_section."""
+    mod = _module(f"transformers.models.{model}.modeling_{model}")
+    cls = getattr(mod, _MROPE_ROTARY[model], None)
+    recompose = getattr(cls, "recomposition_frequencies", None)
+    if recompose is not None:
+        return recompose(types.SimpleNamespace(mrope_section=list(section)), theta.clone())
+    if not interleaved:
+        return None
+    fn = getattr(mod, "apply_interleaved_mrope", None)
+    if fn is None:
+        fn = lambda f, s: cls.apply_interleaved_mrope(None, f, s)  # noqa: E731
+    freqs = fn(theta.clone(), list(section))                       # [1, T, R/2]
+    return torch.cat((freqs, freqs), dim=-1)
+
+
 def _hf_mrope_exact(model, x, positions, inv_freq, section, interleaved):
     """x [T, H, D] (float64 torch) rotated by transformers' mRoPE code in float64:
     theta[a, t, i] = positions[a, t] * inv_freq[i] exactly; transformers picks each
@@ -104,16 +133,11 @@ def _hf_mrope_exact(model, x, positions, inv_freq, section, interleaved):
     pos = torch.from_numpy(to_f64(positions))                       # [3, T]
     theta = pos[:, None, :, None] * torch.from_numpy(inv_freq)      # [3, 1, T, R/2]
     xb = x.transpose(0, 1)[None]                                    # [1, H, T, D]
-    if interleaved:
-        mod = _module("transformers.models.qwen3_vl.modeling_qwen3_vl")
-        fn = getattr(mod, "apply_interleaved_mrope", None)
-        if fn is None:  # 4.57: a method of the rotary embedding that does not use self
-            fn = lambda f, s: mod.Qwen3VLTextRotaryEmbedding.apply_interleaved_mrope(None, f, s)  # noqa: E731
-        freqs = fn(theta.clone(), list(section))                   # [1, T, R/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        out = mod.apply_rotary_pos_emb(xb, xb, emb.cos(), emb.sin())[0]  # cos [1, T, D]
+    mod = _module(f"transformers.models.{model}.modeling_{model}")
+    emb = _hf_mrope_freqs(model, theta, section, interleaved)      # [1, T, D]
+    if emb is not None:
+        out = mod.apply_rotary_pos_emb(xb, xb, emb.cos(), emb.sin())[0]
     else:
-        mod = _module(f"transformers.models.{model}.modeling_{model}")
         emb = torch.cat((theta, theta), dim=-1)                     # [3, 1, T, D]
         out = mod.apply_multimodal_rotary_pos_emb(xb, xb, emb.cos(), emb.sin(), list(section))[0]
     return out[0].transpose(0, 1)                                   # [T, H, D]
@@ -457,6 +481,42 @@ def test_mrope_schedule_object(rng):
     for i in range(4):
         np.testing.assert_array_equal(raw_bits(via_dict[i]), raw_bits(via_schedule[i]))
         np.testing.assert_array_equal(raw_bits(via_dict[i]), raw_bits(via_keyword[i]))
+
+
+def _hf_text_rope(model, cfg):
+    """(rope_theta, rope dict) as this transformers' own config class holds them for the
+    model's config.json values: 5.x keeps both in text_config.rope_parameters (for Qwen2-VL
+    {"type": "mrope", "rope_type": "default", ...}), 4.x in rope_theta and rope_scaling."""
+    names = {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig",
+             "qwen3_vl": "Qwen3VLConfig"}
+    cls = getattr(transformers, names[model], None)
+    if cls is None:
+        pytest.skip(f"this transformers ({transformers.__version__}) has no {names[model]}")
+    text = dict(head_dim=cfg["head_dim"], hidden_size=cfg["head_dim"] * cfg["num_qo_heads"],
+                num_attention_heads=cfg["num_qo_heads"], num_key_value_heads=cfg["num_kv_heads"],
+                rope_theta=cfg["rope_base"], rope_scaling=dict(cfg["rope_scaling"]))
+    c = cls(text_config=text).text_config
+    params = getattr(c, "rope_parameters", None)
+    if params is not None:
+        return params["rope_theta"], dict(params)
+    return c.rope_theta, dict(c.rope_scaling)
+
+
+@pytest.mark.parametrize("model,cfg,interleaved", MROPE_CASES, ids=[c[0] for c in MROPE_CASES])
+def test_mrope_from_the_transformers_config(rng, model, cfg, interleaved):
+    """The rope dict straight from the installed transformers' config object (what an engine
+    passes): the same bits as the mrope_section / mrope_interleaved keywords."""
+    rope_base, rope = _hf_text_rope(model, cfg)
+    assert rope_base == cfg["rope_base"]
+    T = 23
+    a = _inputs(rng, cfg, T, "bfloat16")
+    positions = _mrope_positions(rng, T, "int64")
+    base = {n: cfg[n] for n in ("head_dim", "num_qo_heads", "num_kv_heads", "rope_base")}
+    via_config = _call(a, positions, dict(base, rope_scaling=rope))
+    via_keywords = _call(a, positions, dict(base, mrope_section=cfg["rope_scaling"]["mrope_section"],
+                                            mrope_interleaved=interleaved))
+    for i in range(4):
+        np.testing.assert_array_equal(raw_bits(via_config[i]), raw_bits(via_keywords[i]))
 
 
 # ---- validation (SPEC §7): ValueErrors naming the keyword, nothing written --------------------

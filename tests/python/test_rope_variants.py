@@ -8,6 +8,7 @@ configs (no download); each test draws fresh random inputs.
 
 from __future__ import annotations
 
+import copy
 import math
 import types
 
@@ -23,13 +24,11 @@ from transformers.models.glm import modeling_glm  # noqa: E402
 from transformers.models.gptj import modeling_gptj  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
-# The oracle is transformers 4.x's ROPE_INIT_FUNCTIONS(config, device, seq_len) API, pinned
-# as 4.57.6 in requirements-dev.txt; 5.x reads config.rope_parameters instead. Elsewhere
-# (e.g. a GPU image that ships transformers 5.x) the tests that need the oracle skip, the
-# rest still run.
-needs_hf4 = pytest.mark.skipif(
-    not transformers.__version__.startswith("4."),
-    reason=f"oracle written for transformers 4.x's rope API, found {transformers.__version__}")
+# The oracle's API is looked up at run time (hf_schedule): transformers 4.x's
+# ROPE_INIT_FUNCTIONS read the config's attributes (rope_theta, rope_scaling) and include
+# "default"; 5.x's read config.rope_parameters, which a real config class fills from the same
+# config.json keys, and the default schedule is a method of each model's rotary embedding.
+HF4 = transformers.__version__.startswith("4.")
 
 # Phi-3-vision-128k-instruct (published config.json; "su" is longrope's old name).
 PHI3_LONG = [1.0299999713897705, 1.0499999523162842, 1.0499999523162842, 1.0799999237060547,
@@ -131,7 +130,21 @@ def hf_config(cfg):
 
 
 def hf_schedule(cfg, seq_len=None):
-    inv_freq, attention = ROPE_INIT_FUNCTIONS[rope_type(cfg)](hf_config(cfg), "cpu", seq_len)
+    if HF4:
+        inv_freq, attention = ROPE_INIT_FUNCTIONS[rope_type(cfg)](hf_config(cfg), "cpu", seq_len)
+        return inv_freq, float(attention)
+    # 5.x: a config class built from the config.json fields (a deep copy: it standardises the
+    # rope_scaling dict it is given in place). GLM's default schedule reads
+    # partial_rotary_factor (Llama's does not), so every model gives it explicitly.
+    fields = copy.deepcopy(vars(hf_config(cfg)))
+    fields.setdefault("partial_rotary_factor", 1.0)
+    if rope_type(cfg) == "default":
+        config = transformers.GlmConfig(**fields)
+        inv_freq, attention = modeling_glm.GlmRotaryEmbedding.compute_default_rope_parameters(
+            config, device="cpu", seq_len=seq_len)
+    else:
+        config = transformers.LlamaConfig(**fields)
+        inv_freq, attention = ROPE_INIT_FUNCTIONS[rope_type(cfg)](config, "cpu", seq_len)
     return inv_freq, float(attention)
 
 
@@ -156,7 +169,6 @@ def schedule_cases():
             yield pytest.param(name, seq_len, id=f"{name}-{seq_len}" if seq_len else name)
 
 
-@needs_hf4
 @pytest.mark.parametrize("name,seq_len", list(schedule_cases()))
 def test_schedule_matches_transformers(name, seq_len):
     cfg = MODELS[name]
@@ -251,7 +263,6 @@ def random_case(cfg, T, dtype, device, max_position, gen):
     return q, k, v, positions.to(device), slots.to(device), k_pool, v_pool
 
 
-@needs_hf4
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(MODELS))
@@ -305,7 +316,7 @@ def test_rope_scaling_dict_path(name, dtype, device):
             exact = ref_rotate(cfg, x64, positions.cpu(), inv_freq64, sched.attention_scaling)
             err = (out.cpu().double() - exact).abs()
             assert torch.all(err <= spec_bound(exact, x64, cfg, dtype))
-            if max_position == 2048 and transformers.__version__.startswith("4."):
+            if max_position == 2048:
                 hf_inv_freq, hf_attention = hf_schedule(cfg, seq_len)
                 hf = hf_rotate(cfg, x64, positions.cpu(), hf_inv_freq, hf_attention)
                 torch.testing.assert_close(out.cpu().double(), hf, rtol=0.02, atol=0.02)
