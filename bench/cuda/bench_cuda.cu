@@ -446,7 +446,7 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
   specs.push_back({PoolSpec::Flat, 1, false, true, false, true});
   std::printf("\nSPEC 6 caches (bf16 q/k/v, Hq 32, Hk 8, D 128, 262144-slot caches; copy %.0f GB/s):\n", copy / 1e9);
   std::printf("%8s  %-40s %10s %9s %7s %10s %10s  %s\n", "T", "cache", "us/call", "GB/s", "%copy", "graph us", "kernel",
-              "fp8 k and v on one item (T <= 256): us/call | graph us; the other fp8 kernel (T <= 256, capped or uncapped): us/call | graph us; "
+              "fp8 k and v on one item (T <= 256): us/call | graph us; the other kernel of a pool variant (T <= 256, capped or uncapped): us/call | graph us; "
               "xN(Ww): the uncapped kernel with a token over N CTAs of W warps: us/call | graph us; "
               "pN(Ww): a call in q's dtype on the uncapped kernel (split_plain), likewise");
   g_json += ", \"pools\": [";
@@ -468,12 +468,12 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
         t1 = time_stream(w, one, s);
         tg1 = time_graph(w, s, one);
       }
-      // The other fp8 kernel in the same run: where the plan takes the one without its
-      // register cap (T <= 256), the capped one (LaunchConfig::uncapped_fp8 = -1); where it
-      // takes the capped one at T <= 256, the uncapped one (uncapped_fp8 = 1).
+      // The other kernel of a pool variant in the same run: where the plan takes the one without its
+      // register cap (T <= 256), the capped one (LaunchConfig::uncapped = -1); where it
+      // takes the capped one at T <= 256, the uncapped one (uncapped = 1).
       double t_other = 0, tg_other = 0;
       detail::cuda_launch::LaunchConfig other;
-      other.uncapped_fp8 = plan.uncapped ? -1 : 1;
+      other.uncapped = plan.uncapped ? -1 : 1;
       const bool time_other = plan.uncapped || (T <= 256 && detail::cuda_launch::plan_launch(w.problem(0, s), other).uncapped);
       if (time_other) {
         t_other = time_stream(w, other, s);

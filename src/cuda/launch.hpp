@@ -21,13 +21,14 @@ struct LaunchConfig {
   /// An fp8 pool's k heads and v heads as two warp items: 0 default, on where the call takes
   /// no row lock (T <= kMaxScanTokens; a row's lock is held by one warp); -1 off (one kv item).
   int split_fp8_kv = 0;
-  /// fp8 kernels (pool or q_out; head_dim 128 tuned) without the 3-4 CTAs per SM register
-  /// cap: 0 (default) where T <= cuda::kUncappedMaxTokens (small grids, where the cap buys no
-  /// occupancy that matters); 1 at every T; -1 off (the capped kernel at every T).
-  int uncapped_fp8 = 0;
-  /// The uncapped fp8 kernel only: a token's warp items over this many CTAs (0 default: CTAs
-  /// of two warps up to T = cuda::kSplitMaxTokens, so that a small call's e4m3 work issues on
-  /// more SMs; one CTA beyond).
+  /// The pool variants' kernels (fp8 pool, fp8 q_out, or a paged pool in q's dtype; head_dim
+  /// 128 tuned) without the 3-4 CTAs per SM register cap: 0 (default) where T <=
+  /// cuda::kUncappedMaxTokens (small grids, where the cap buys no occupancy that matters); 1
+  /// at every T; -1 off (the capped kernel at every T).
+  int uncapped = 0;
+  /// The uncapped kernel only: a token's warp items over this many CTAs (0 default: for fp8
+  /// calls CTAs of two warps up to T = cuda::kSplitMaxTokens, so that a small call's e4m3
+  /// work issues on more SMs; one CTA otherwise).
   int ctas_per_token = 0;
   /// An fp8 q_out where no row lock is taken: q units per lane per q item, 1, 2 or 4 (0
   /// default: cuda::kQUnitsFp8).
@@ -51,7 +52,7 @@ struct LaunchPlan {
   int pool_write_mode = 0;  ///< cuda::PoolWriteMode
   int kv_items = 1;         ///< kv warp items per token (LaunchConfig::split_fp8_kv)
   int q_item_units = 4;     ///< q units per lane per q item (cuda::kQUnits, or kQUnitsFp8)
-  bool uncapped = false;    ///< the kernel without the register cap (LaunchConfig::uncapped_fp8,
+  bool uncapped = false;    ///< the kernel without the register cap (LaunchConfig::uncapped,
                             ///< split_plain; never for calls with a QK norm: they run the norm kernel)
   /// cuda::PoolVariant bits: 0 for pools in q's dtype with page size 1 (the seed's kernels);
   /// paged pools, fp8 pools and an fp8 q_out run kernels of their own.

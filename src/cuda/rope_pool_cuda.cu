@@ -259,14 +259,19 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   plan.kv_items = fp8_pool && no_row_lock && c.split_fp8_kv == 0 ? 2 : 1;
   assert(c.fp8_q_units == 0 || c.fp8_q_units == 1 || c.fp8_q_units == 2 || c.fp8_q_units == 4);
   plan.q_item_units = !(fp8_q && no_row_lock) ? cuda::kQUnits : c.fp8_q_units > 0 ? c.fp8_q_units : cuda::kQUnitsFp8;
-  assert(c.uncapped_fp8 >= -1 && c.uncapped_fp8 <= 1);
-  // (Calls with a QK norm run the norm kernel, which has no uncapped form.)
+  assert(c.uncapped >= -1 && c.uncapped <= 1);
+  // The kernels of the pool variants (fp8 pools, fp8 q_out, paged pools in q's dtype) without
+  // the register cap at small T. (Calls with a QK norm run the norm kernel, which has no
+  // uncapped form.)
   const bool norm = p.q_norm_weight != nullptr || p.k_norm_weight != nullptr;
-  plan.uncapped = (fp8_pool || fp8_q) && !norm && c.uncapped_fp8 >= 0 && plan.path == Path::Tuned &&
-                  D == 128 && (T <= cuda::kUncappedMaxTokens || c.uncapped_fp8 == 1);
-  // Forced only (benchmark, test): a call in q's dtype on the paged variant's uncapped kernel.
+  const bool tuned128 = !norm && plan.path == Path::Tuned && D == 128;
+  plan.uncapped = plan.pool_variant != 0 && tuned128 && c.uncapped >= 0 &&
+                  (T <= cuda::kUncappedMaxTokens || c.uncapped == 1);
+  // Forced only (benchmark, test): a call in q's dtype on the paged variant's uncapped kernel
+  // at any T (a 3-D pool as page size 1), its items split as an fp8 call's.
   assert(c.split_plain == 0 || c.split_plain == 1);
-  if (c.split_plain == 1 && !fp8_pool && !fp8_q && !norm && plan.path == Path::Tuned && D == 128) {
+  const bool split_plain = c.split_plain == 1 && !fp8_pool && !fp8_q && tuned128;
+  if (split_plain) {
     plan.pool_variant = cuda::kPoolPaged;
     plan.uncapped = true;
   }
@@ -285,15 +290,16 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
 
   // A CTA per token, one warp per item, so the token's items run side by side; for the seed's
   // pools the warp count is the only choice left (no other shape measured faster: docs/CUDA.md).
-  // Up to T = 128 the uncapped fp8 kernel spreads a token's items over CTAs of two warps
-  // (gridDim.y): at small T a token's e4m3 work is the longest chain, and more CTAs put it on
-  // more SMs (docs/CUDA.md, "Launch shape").
+  // Up to T = 128 the uncapped kernel of an fp8 call spreads a token's items over CTAs of two
+  // warps (gridDim.y): at small T a token's e4m3 work is the longest chain, and more CTAs put
+  // it on more SMs (docs/CUDA.md, "Launch shape"). A paged pool in q's dtype keeps one CTA per
+  // token on the uncapped kernel (its split measured no faster).
   assert(c.ctas_per_token >= 0);
   const int whole_items = int(std::ceil(items_per_token));
-  plan.ctas_per_token = !plan.uncapped                   ? 1
-                        : c.ctas_per_token > 0          ? std::min(c.ctas_per_token, whole_items)
-                        : T <= cuda::kSplitMaxTokens ? (whole_items + 1) / 2
-                                                        : 1;
+  const bool split = (fp8_pool || fp8_q || split_plain) && T <= cuda::kSplitMaxTokens;
+  plan.ctas_per_token = 1;
+  if (plan.uncapped && c.ctas_per_token > 0) plan.ctas_per_token = std::min(c.ctas_per_token, whole_items);
+  else if (plan.uncapped && split) plan.ctas_per_token = (whole_items + 1) / 2;
   if (c.warps_per_cta <= 0)
     c.warps_per_cta = int(std::min<double>(cuda::kMaxWarpsPerCta, std::ceil(items_per_token / plan.ctas_per_token)));
   c.warps_per_cta = std::clamp(c.warps_per_cta, 1, cuda::kMaxWarpsPerCta);

@@ -39,7 +39,7 @@ constexpr int kKUnits = 2;  ///< k units per lane per kv round
 constexpr int kVVecs = 4;   ///< v vectors per lane per kv round
 constexpr int kStage = 8;   ///< raw vectors a lane holds: 2*kQUnits == 2*kKUnits + kVVecs
 constexpr int kSlotLocks = 1 << 16;
-constexpr int kUncappedMaxTokens = 256;  ///< LaunchConfig::uncapped_fp8 up to this many tokens
+constexpr int kUncappedMaxTokens = 256;  ///< LaunchConfig::uncapped up to this many tokens
 constexpr int kSplitMaxTokens = 128;     ///< the uncapped kernel's CTAs of two warps up to this T
 constexpr int kMaxScanTokens = 256;  ///< duplicate scan in shared memory up to this many tokens
 
@@ -963,10 +963,11 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, kPool == (kPoolPaged | k
   token_kernel_body<E, kVec, kHeadDim, kFreqCap, kInterleaved, kPool, false>(p, nullptr);
 }
 
-/// The fp8 main kernels at small T (LaunchConfig::uncapped_fp8): the same body with a bound of
-/// one CTA per SM, so the compiler may use up to 255 registers instead of 64 or 80, and a
-/// token's items over gridDim.y CTAs (LaunchConfig::ctas_per_token). The paged variant in q's
-/// dtype has one too, forced only (LaunchConfig::split_plain).
+/// The pool variants' main kernels at small T (fp8 pools, fp8 q_out, paged pools in q's
+/// dtype; LaunchConfig::uncapped): the same body with a bound of one CTA per SM, so the
+/// compiler may use up to 255 registers instead of 64 or 80, and a token's items over
+/// gridDim.y CTAs (LaunchConfig::ctas_per_token; LaunchConfig::split_plain also runs a 3-D
+/// pool in q's dtype here).
 template <class E, int kVec, int kHeadDim, int kFreqCap, bool kInterleaved, int kPool>
 __global__ void __launch_bounds__(kMaxWarpsPerCta * 32, 1)
     rope_pool_token_kernel_uncapped(const __grid_constant__ KernelParams<kFreqCap, true> p) {

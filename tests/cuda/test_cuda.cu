@@ -908,8 +908,8 @@ struct PoolCase {
   bool index64 = false;
   Kernel kernel = Kernel::Auto;
   bool no_split = false;    ///< LaunchConfig::split_fp8_kv = -1 (an fp8 pool's k and v on one item)
-  bool capped = false;      ///< LaunchConfig::uncapped_fp8 = -1 (the capped fp8 kernel at every T)
-  bool forced_uncapped = false;  ///< LaunchConfig::uncapped_fp8 = 1 (the uncapped one at every T)
+  bool capped = false;      ///< LaunchConfig::uncapped = -1 (the capped kernel at every T)
+  bool forced_uncapped = false;  ///< LaunchConfig::uncapped = 1 (the uncapped one at every T)
   int ctas_per_token = 0;   ///< LaunchConfig::ctas_per_token (the uncapped kernel's split)
   int fp8_q_units = 0;      ///< LaunchConfig::fp8_q_units
   bool split_plain = false; ///< LaunchConfig::split_plain (a call in q's dtype on the uncapped kernel)
@@ -1006,7 +1006,7 @@ struct PoolRun {
     set_scales(c.k_scale, c.v_scale, c.q_scale);
     if (c.kernel != Kernel::Auto) cfg.warps_per_cta = c.kernel == Kernel::OneWarp ? 1 : 2;
     cfg.split_fp8_kv = c.no_split ? -1 : 0;
-    cfg.uncapped_fp8 = c.capped ? -1 : c.forced_uncapped ? 1 : 0;
+    cfg.uncapped = c.capped ? -1 : c.forced_uncapped ? 1 : 0;
     cfg.ctas_per_token = c.ctas_per_token, cfg.fp8_q_units = c.fp8_q_units;
     cfg.split_plain = c.split_plain ? 1 : 0;
   }
@@ -1324,14 +1324,15 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
             (first.empty() ? "" : "; " + first);
   }
   if (uncapped && !pc.norm) {
-    // The uncapped kernel (tuned, NeoX, D = 128) spreads a token's warp items over CTAs of two
-    // warps up to T = 128 and keeps one CTA beyond, or takes ctas_per_token CTAs (at most one
-    // per item). A head is D / 16 NeoX units of 16-byte vectors for 2-byte elements, D / 8 for
-    // float32.
+    // The uncapped kernel (tuned, NeoX, D = 128) of an fp8 call (or split_plain) spreads a
+    // token's warp items over CTAs of two warps up to T = 128 and keeps one CTA beyond; a paged
+    // pool in q's dtype keeps one CTA; ctas_per_token sets the count (at most one CTA per item).
+    // A head is D / 16 NeoX units of 16-byte vectors for 2-byte elements, D / 8 for float32.
     const int64_t units = pc.D / (pc.dtype == DType::Float32 ? 8 : 16);
     const int64_t items = want_kv + (pc.Hq * units + 32 * want_q - 1) / (32 * want_q);
+    const bool split = (pc.fp8_pool || pc.fp8_q || pc.split_plain) && pc.T <= 128;
     const int64_t want_ctas = pc.ctas_per_token ? std::min<int64_t>(pc.ctas_per_token, items)
-                              : pc.T <= 128        ? (items + 1) / 2
+                              : split              ? (items + 1) / 2
                                                    : 1;
     if (ctas != want_ctas) {
       ++bad;
@@ -1383,6 +1384,21 @@ void test_paged_layouts(Rng& rng) {
           }
         }
       }
+  // The planner: a paged pool in q's dtype (page size > 1, head_dim 128 tuned) runs the
+  // uncapped kernel up to T = 256 with one CTA per token, the capped one beyond (and where
+  // LaunchConfig::uncapped = -1); a 3-D pool the seed's kernel.
+  for (DType dt : {DType::BFloat16, DType::Float16, DType::Float32})
+    for (Cache cache : {Cache::Pool3D, Cache::NHD, Cache::HND})
+      for (int64_t T : {int64_t(1), int64_t(37), int64_t(256), int64_t(300)})
+        for (bool capped : {false, true}) {
+          if (g_sanitize && (dt != DType::BFloat16 || T > 37 || capped)) continue;
+          if (capped && (cache == Cache::Pool3D || T > 256)) continue;
+          PoolCase c;
+          c.dtype = dt, c.cache = cache, c.page_size = cache == Cache::HND ? 64 : 16, c.T = T;
+          c.Hq = 32, c.Hk = 8, c.D = 128, c.capped = capped;
+          c.expect_uncapped = cache != Cache::Pool3D && T <= 256 && !capped;
+          run_pool_case(c, rng, "paged");
+        }
   // Pools in q's dtype on the uncapped kernel (LaunchConfig::split_plain, forced only): a 3-D
   // pool as page size 1 and paged ones, a token's items over the default, one and three CTAs,
   // in the scan, direct and (T = 300) row-lock write modes.
@@ -1471,7 +1487,7 @@ void test_fp8_pools(Rng& rng) {
       run_pool_case(c, rng, "fp8");
     }
     // The fp8 kernels at T <= 128, without the register cap (the default) and with it
-    // (LaunchConfig::uncapped_fp8 = -1): Llama's shape, an fp8 pool and/or an fp8 q_out,
+    // (LaunchConfig::uncapped = -1): Llama's shape, an fp8 pool and/or an fp8 q_out,
     // power-of-two scales and not.
     for (int64_t T : {int64_t(1), int64_t(37), int64_t(128)})
       for (int fp8 : {1, 2, 3})
@@ -1484,7 +1500,7 @@ void test_fp8_pools(Rng& rng) {
             if (!c.fp8_pool) c.cache = Cache::Pool3D;
             run_pool_case(c, rng, "fp8");
           }
-    // Beyond T = 256 the default is the capped kernel; LaunchConfig::uncapped_fp8 = 1 runs the
+    // Beyond T = 256 the default is the capped kernel; LaunchConfig::uncapped = 1 runs the
     // uncapped one at any T: the scan (T <= 256) and the row-lock (T > 256) write modes.
     for (int64_t T : {int64_t(129), int64_t(256), int64_t(300)})
       for (int fp8 : {1, 3})
