@@ -88,6 +88,13 @@ const TypeKeys& keys_of(RopeType t) {
   return none;
 }
 
+// A type's other spellings as the name of the type they mean; any other name as it is.
+std::string canonical_rope_type_name(const std::string& name) {
+  if (name == "su") return "longrope";  // transformers' old name
+  if (name == "mrope") return "default";  // Qwen2-VL's configs (transformers maps it so)
+  return name;
+}
+
 }  // namespace
 
 const char* rope_type_name(RopeType type) {
@@ -103,11 +110,10 @@ const char* rope_type_name(RopeType type) {
 }
 
 RopeType parse_rope_type(const std::string& name) {
-  if (name == "su") return RopeType::LongRope;  // transformers' old name
-  if (name == "mrope") return RopeType::Default;  // Qwen2-VL's configs (transformers maps it so)
+  const std::string canonical = canonical_rope_type_name(name);
   for (RopeType t : {RopeType::Default, RopeType::Linear, RopeType::Dynamic, RopeType::Yarn,
                      RopeType::Llama3, RopeType::LongRope})
-    if (name == rope_type_name(t)) return t;
+    if (canonical == rope_type_name(t)) return t;
   fail("unknown rope_scaling type '" + name +
            "'; expected one of default, linear, dynamic, yarn, llama3, longrope",
        "for any other schedule pass inv_freq (and attention_scaling) directly");
@@ -129,14 +135,8 @@ RopeScaling parse_rope_scaling(const ScalingEntries& entries, const RopeScalingC
   // Agreeing means naming the same type: transformers 5.x keeps Qwen2-VL's "type": "mrope"
   // beside the "rope_type": "default" it maps it to (config.rope_parameters), and an old
   // "su" may sit beside "longrope".
-  const auto same_type = [](const std::string& a, const std::string& b) {
-    if (a == b) return true;
-    const auto canonical = [](const std::string& n) -> std::string {
-      return n == "su" ? "longrope" : n == "mrope" ? "default" : n;
-    };
-    return canonical(a) == canonical(b);
-  };
-  if (rope_type && type && !same_type(rope_type->text, type->text))
+  if (rope_type && type &&
+      canonical_rope_type_name(rope_type->text) != canonical_rope_type_name(type->text))
     fail("rope_scaling has rope_type '" + rope_type->text + "' and type '" + type->text +
          "'; they must agree");
   const std::string name = rope_type ? rope_type->text : type ? type->text : "default";

@@ -103,7 +103,7 @@ _MROPE_ROTARY = {"qwen2_vl": "Qwen2VLRotaryEmbedding", "qwen2_5_vl": "Qwen2_5_VL
                  "qwen3_vl": "Qwen3VLTextRotaryEmbedding"}
 
 
-def _hf_mrope_freqs(model, theta, section, interleaved):
+def _hf_mrope_freqs(mod, model, theta, section, interleaved):
     """transformers' choice of each frequency's position axis, applied to theta [3, 1, T, R/2]
     (float64): [1, T, R] (the half repeated, as its cos/sin tables are), found at run time:
     - 4.x, Qwen2-VL / Qwen2.5-VL: apply_multimodal_rotary_pos_emb picks the axes while it
@@ -111,8 +111,7 @@ def _hf_mrope_freqs(model, theta, section, interleaved):
     - 4.x, Qwen3-VL: apply_interleaved_mrope (a function, or in 4.57 a method of the rotary
       embedding that does not use self);
     - 5.x: the rotary embedding's recomposition_frequencies(freq), a method that reads only
-      self.mrope_section."""
-    mod = _module(f"transformers.models.{model}.modeling_{model}")
+      self.mrope_section. `mod`: the model's transformers module."""
     cls = getattr(mod, _MROPE_ROTARY[model], None)
     recompose = getattr(cls, "recomposition_frequencies", None)
     if recompose is not None:
@@ -134,7 +133,7 @@ def _hf_mrope_exact(model, x, positions, inv_freq, section, interleaved):
     theta = pos[:, None, :, None] * torch.from_numpy(inv_freq)      # [3, 1, T, R/2]
     xb = x.transpose(0, 1)[None]                                    # [1, H, T, D]
     mod = _module(f"transformers.models.{model}.modeling_{model}")
-    emb = _hf_mrope_freqs(model, theta, section, interleaved)      # [1, T, D]
+    emb = _hf_mrope_freqs(mod, model, theta, section, interleaved)  # [1, T, D]
     if emb is not None:
         out = mod.apply_rotary_pos_emb(xb, xb, emb.cos(), emb.sin())[0]
     else:
