@@ -58,7 +58,7 @@ struct RopePoolProblem {
   bool interleaved = false; // GPT-J pairs (2i, 2i+1) instead of NeoX (i, i + R/2)
   int64_t pool_size = 0;  // pages * page_size: the slot range of SPEC §3
   int64_t page_size = 1;  // 1 for 3-D pools
-  Rows q, k, v, q_out, k_out;
+  Rows q, k, v, q_out, k_out;  // k_out.data null: no k_rot (SPEC §4 return_k_rot=False)
   PoolRows k_pool, v_pool;
   Scale k_scale, v_scale, q_scale;  // used only where the dtype above is Float8E4M3FN
   Index positions, slots;

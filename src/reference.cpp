@@ -16,10 +16,9 @@ void* element(const TensorView& x, int64_t t, int64_t h, int64_t d) {
   return static_cast<char*>(x.data) + off * int64_t(dtype_size(x.dtype));
 }
 
-void store(const TensorView& x, int64_t t, int64_t h, int64_t d, double value) {
-  void* p = element(x, t, h, d);
+void store_at(void* p, DType dtype, double value) {
   const float f = static_cast<float>(value);
-  switch (x.dtype) {
+  switch (dtype) {
     case DType::Float32: *static_cast<float*>(p) = f; break;
     // double -> float -> half can round twice; the float step keeps 13 extra bits, so
     // the result differs from a single rounding only on exact float ties (never for
@@ -28,6 +27,10 @@ void store(const TensorView& x, int64_t t, int64_t h, int64_t d, double value) {
     case DType::BFloat16: *static_cast<uint16_t*>(p) = float_to_bf16(f); break;
     default: break;
   }
+}
+
+void store(const TensorView& x, int64_t t, int64_t h, int64_t d, double value) {
+  store_at(element(x, t, h, d), x.dtype, value);
 }
 
 // SPEC §6: e4m3(x / scale), the division in float32.
@@ -183,8 +186,9 @@ void rope_pool_fused(const RopePoolTensors& t, const RopePoolParams& params) {
         else
           store(t.q_out, i, h, d, x);
       }
-    for (int64_t h = 0; h < Hk; ++h)
-      for (int64_t d = 0; d < D; ++d) store(t.k_out, i, h, d, k_rot[size_t((i * Hk + h) * D + d)]);
+    if (t.k_out.data)  // an empty k_out: no k_rot (SPEC §4 return_k_rot=False)
+      for (int64_t h = 0; h < Hk; ++h)
+        for (int64_t d = 0; d < D; ++d) store(t.k_out, i, h, d, k_rot[size_t((i * Hk + h) * D + d)]);
   }
   const size_t es = dtype_size(t.k_pool.dtype);
   for (int64_t i = 0; i < T; ++i) {
@@ -197,6 +201,9 @@ void rope_pool_fused(const RopePoolTensors& t, const RopePoolParams& params) {
         if (fp8_pool) {
           *static_cast<uint8_t*>(k_dst) = quantize(k_rot[size_t((i * Hk + h) * D + d)], k_scale);
           *static_cast<uint8_t*>(v_dst) = quantize(load(t.v, i, h, d), v_scale);
+        } else if (!t.k_out.data) {
+          store_at(k_dst, t.k_pool.dtype, k_rot[size_t((i * Hk + h) * D + d)]);
+          std::memcpy(v_dst, element(t.v, i, h, d), es);
         } else {
           std::memcpy(k_dst, element(t.k_out, i, h, d), es);
           std::memcpy(v_dst, element(t.v, i, h, d), es);

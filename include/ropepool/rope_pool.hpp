@@ -16,6 +16,9 @@ struct RopeSchedule;  // schedule.hpp
 
 /// The caller's arguments. Every tensor lives on one device; `q_out`/`k_out` are
 /// caller-allocated outputs with the shapes of `q`/`k` (the library never allocates).
+/// `k_out` left empty (a default TensorView: no data, no dimensions) asks for no k_rot
+/// (SPEC §4, Python's return_k_rot=False): k is only read, and nothing but q_out and the
+/// pools is written.
 struct RopePoolTensors {
   TensorView q;          ///< [T, Hq, D], float32 / float16 / bfloat16
   TensorView k;          ///< [T, Hk, D], same dtype
@@ -28,7 +31,7 @@ struct RopePoolTensors {
   TensorView v_pool;     ///< as k_pool
   /// [T, Hq, D], receives q_rot: q's dtype, or float8_e4m3fn (quantised with q_scale).
   TensorView q_out;
-  TensorView k_out;      ///< [T, Hk, D], q's dtype, receives k_rot
+  TensorView k_out;      ///< [T, Hk, D], q's dtype, receives k_rot; empty: no k_rot
 };
 
 /// How 4-D pools are laid out (SPEC §6); slot s is page s / page_size, row s % page_size.

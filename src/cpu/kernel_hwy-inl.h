@@ -1278,6 +1278,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     }
   }
   const bool dup_tables = p.interleaved && !kBF16;
+  const bool k_rot_written = p.k_out.data != nullptr;
   const float scale = static_cast<float>(p.attention_scaling);
   const bool stream = plan.stream_stores;
   // kQuant: tables in plain order, interleaved ones duplicated (the bf16 paths keep their
@@ -1478,6 +1479,10 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
         continue;
       }
       const int64_t kv = h - Hq;
+      // k_rot (null: not asked for, SPEC §4 return_k_rot=False); with neither k_rot nor a
+      // pool row the head has nothing to write.
+      T* const k_rot = k_rot_written ? row(p.k_out, t, kv) : nullptr;
+      if (!k_rot && slot < 0) continue;
       const T* x = k_norm ? norm(row(p.k, t, kv), 1, h) : row(p.k, t, kv);
       if (kQuant && fp8_pool) {
         uint8_t* k_dst = nullptr;
@@ -1486,12 +1491,13 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
           k_dst = reinterpret_cast<uint8_t*>(PoolRow(p.k_pool, page, page_row, kv, 1));
           v_dst = reinterpret_cast<uint8_t*>(PoolRow(p.v_pool, page, page_row, kv, 1));
         }
-        rotate_e4m3(x, row(p.k_out, t, kv), k_dst, k_div, fused_k);
+        rotate_e4m3(x, k_rot, k_dst, k_div, fused_k);
         if (v_dst) QuantizeInputRow<E>(row(p.v, t, kv), v_dst, D, v_div, stream);
         continue;
       }
-      rotate(x, row(p.k_out, t, kv),
-             slot >= 0 ? pool_row(p.k_pool, page, page_row, kv) : nullptr);
+      T* const k_dst = slot >= 0 ? pool_row(p.k_pool, page, page_row, kv) : nullptr;
+      // without k_rot the pool row is the rotation's first output
+      rotate(x, k_rot ? k_rot : k_dst, k_rot ? k_dst : nullptr);
       if (slot >= 0)
         CopyBytes(pool_row(p.v_pool, page, page_row, kv), row(p.v, t, kv), size_t(D) * sizeof(T),
                   stream);

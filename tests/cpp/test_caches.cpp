@@ -111,7 +111,10 @@ TEST_P(CacheCombos, WholeContract) {
   Case c(s, Layout{QkvLayout::Padded, PoolLayout::CombinedFlashInfer, OutLayout::Padded,
                    IndexLayout::Contiguous});
   c.randomize(rng);
+  const Snapshot before = c.snapshot();
   run_and_check(c);
+  // SPEC §4 return_k_rot=False: q_out and the pools exactly as with k_rot
+  for (const std::string& problem : check_without_k_rot(c, before)) ADD_FAILURE() << problem;
 }
 
 std::string combo_name(const ::testing::TestParamInfo<ComboParam>& info) {

@@ -137,6 +137,7 @@ struct Flavour {
   int64_t max_pos;
   int norm = 0;        // SPEC §7: 0 none, 1 "rms" (bf16/f16/f32 weights as q), 2 "gemma" (float32)
   bool mrope = false;  // SPEC §7: positions [3, T], sections over R/2
+  bool no_k_rot = false;  // also the call without k_rot (SPEC §4): the same bytes otherwise
 };
 
 struct KernelCase {
@@ -217,6 +218,11 @@ void check_kernel_case(const KernelCase& kc, Rng& rng, const std::string& label)
   options.check_slots = kc.f.check_slots && !kc.f.duplicates;
   ASSERT_NO_THROW(rope_pool_fused(c.tensors, c.params, options));
   for (const std::string& problem : check_call(c, before)) ADD_FAILURE() << problem;
+  if (kc.f.no_k_rot) {
+    const Snapshot after = c.snapshot();
+    for (const std::string& problem : check_without_k_rot(c, before, options)) ADD_FAILURE() << problem;
+    c.restore(after);  // the checks below read k_out
+  }
 
   // Repeated slots: the last token wins, whatever the thread count.
   const TensorView &k_pool = c.tensors.k_pool, &v_pool = c.tensors.v_pool;
@@ -277,9 +283,12 @@ void kernel_matches_reference(const char* target, int threads) {
                               {false, false, false, false, true, 1.0, 1 << 16},
                               {true, true, false, false, true, 0.75, (1 << 20) - 1},
                               // SPEC §7: QK norm ("rms", "gemma") and mRoPE, alone and combined
-                              {false, false, false, false, false, 1.0, 1 << 16, 1, false},
+                              {false, false, false, false, false, 1.0, 1 << 16, 1, false, true},
                               {true, true, false, false, true, 1.0, 1 << 16, 2, true},
-                              {false, false, false, false, false, 1.25, (1 << 20) - 1, 1, true}};
+                              {false, false, false, false, false, 1.25, (1 << 20) - 1, 1, true},
+                              // SPEC §4 return_k_rot=False
+                              {true, true, false, false, false, 1.0, 1 << 16, 0, false, true},
+                              {false, false, false, false, true, 1.0, (1 << 20) - 1, 0, false, true}};
   Rng rng(fresh_seed());
   SCOPED_TRACE("seed " + std::to_string(rng.seed()) + " (replay: ROPEPOOL_TEST_SEED)");
   const int saved_threads = cpu_num_threads();
@@ -672,6 +681,11 @@ void caches_match_reference(const char* target) {
             const Snapshot before = c.snapshot();
             ASSERT_NO_THROW(rope_pool_fused(c.tensors, c.params));
             for (const std::string& problem : check_call(c, before))
+              ADD_FAILURE() << target << " threads " << threads << " " << dtype_name(dt) << " "
+                            << kv_layout_name(layout) << " page_size " << page_size << " fp8 " << fp8
+                            << ": " << problem;
+            // SPEC §4 return_k_rot=False: the same call without k_rot writes the same bytes
+            for (const std::string& problem : check_without_k_rot(c, before))
               ADD_FAILURE() << target << " threads " << threads << " " << dtype_name(dt) << " "
                             << kv_layout_name(layout) << " page_size " << page_size << " fp8 " << fp8
                             << ": " << problem;

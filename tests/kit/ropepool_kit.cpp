@@ -830,7 +830,7 @@ std::vector<std::string> check_call(const Case& c, const Snapshot& before, int t
     const HostBuffer& b = *c.buffers()[i];
     std::vector<bool> may_write(size_t(b.numel()), false);
     for (const TensorView* out : {&x.q_out, &x.k_out})
-      if (b.offset_of(*out) >= 0) mark(may_write, b, *out, 0, out->shape[0]);
+      if (out->data && b.offset_of(*out) >= 0) mark(may_write, b, *out, 0, out->shape[0]);
     for (const TensorView* pool : {&x.k_pool, &x.v_pool})
       if (b.offset_of(*pool) >= 0)
         for (int64_t s = 0; s < P; ++s)
@@ -853,7 +853,11 @@ std::vector<std::string> check_call(const Case& c, const Snapshot& before, int t
   how.norm_gemma = c.params.norm_style.value_or("rms") == "gemma";
   const RopeSchedule schedule =
       c.params.schedule ? *c.params.schedule : make_rope_schedule(c.params);
+  // An empty k_out: no k_rot (SPEC §4 return_k_rot=False); the k pool rows are then checked
+  // against the float64 rotation below.
+  const bool k_rot = x.k_out.data != nullptr || x.k_out.ndim != 0;
   for (auto [name, in, out] : {std::tuple{"q_out", &x.q, &x.q_out}, {"k_out", &x.k, &x.k_out}}) {
+    if (out == &x.k_out && !k_rot) continue;
     const TensorView& w = in == &x.q ? c.params.q_norm_weight : c.params.k_norm_weight;
     how.norm_weight = w.data ? &w : nullptr;
     // (fp8 q_rot is checked without a norm: no case combines them yet)
@@ -908,12 +912,32 @@ std::vector<std::string> check_call(const Case& c, const Snapshot& before, int t
       }
     return true;
   };
+  // Without k_rot, a k pool row in q's dtype is the float64 rotation of the writer's k
+  // within reference::tolerance (check_rotation on the row as a [1, Hk, D] view).
+  RotationCheck k_how = how;
+  k_how.norm_weight = c.params.k_norm_weight.data ? &c.params.k_norm_weight : nullptr;
+  auto rotated_k_row_is = [&](int64_t s, int64_t t) {
+    TensorView row = x.k_pool;
+    row.ndim = 3;
+    row.data = reference::pool_element(x.k_pool, kv_layout, s, 0, 0);
+    row.shape[0] = 1, row.shape[1] = Hk, row.shape[2] = D;
+    row.strides[0] = 0;
+    row.strides[1] = kv_layout == KvLayout::None  ? x.k_pool.strides[1]
+                     : kv_layout == KvLayout::NHD ? x.k_pool.strides[2]
+                                                  : x.k_pool.strides[1];
+    row.strides[2] = x.k_pool.strides[kv_layout == KvLayout::None ? 2 : 3];
+    return check_rotation("k_pool row", token_slice(x.k, t, 1), row, token_slice(x.positions, t, 1),
+                          schedule, c.params.interleaved, k_how)
+        .ok();
+  };
   int64_t bad_rows = 0;
   for (int64_t s = 0; s < P; ++s) {
     const auto& w = writers[size_t(s)];
     if (w.empty()) continue;
     const bool k_ok = std::any_of(w.begin(), w.end(), [&](int64_t t) {
-      return fp8 ? fp8_k_row_is(s, t) : pool_row_is(x.k_pool, s, x.k_out, t);
+      return fp8 ? fp8_k_row_is(s, t)
+             : k_rot ? pool_row_is(x.k_pool, s, x.k_out, t)
+                     : rotated_k_row_is(s, t);
     });
     const bool v_ok = std::any_of(w.begin(), w.end(), [&](int64_t t) {
       return fp8 ? fp8_v_row_is(s, t) : pool_row_is(x.v_pool, s, x.v, t);
@@ -925,6 +949,29 @@ std::vector<std::string> check_call(const Case& c, const Snapshot& before, int t
                          (v_ok ? "" : "v_pool row is not a complete v row"));
   }
   if (bad_rows > 5) problems.push_back(std::to_string(bad_rows) + " pool rows with wrong contents");
+  return problems;
+}
+
+std::vector<std::string> check_without_k_rot(Case& c, const Snapshot& before,
+                                             const CallOptions& options) {
+  const Snapshot with = c.snapshot();
+  const TensorView k_out = c.tensors.k_out;
+  const HostBuffer* k_buffer = &c.buffer_of(k_out);
+  c.restore(before);
+  c.tensors.k_out = TensorView{};
+  std::vector<std::string> problems;
+  try {
+    rope_pool_fused(c.tensors, c.params, options);
+    for (const std::string& p : check_call(c, before)) problems.push_back("without k_rot: " + p);
+  } catch (const std::exception& e) {
+    problems.push_back(std::string("without k_rot: the call threw: ") + e.what());
+  }
+  c.tensors.k_out = k_out;
+  const Snapshot without = c.snapshot();
+  for (size_t i = 0; i < c.buffers().size(); ++i)
+    if (c.buffers()[i].get() != k_buffer && with.bytes[i] != without.bytes[i])
+      problems.push_back("without k_rot, buffer " + c.buffers()[i]->name() +
+                         " differs from the same call with k_rot");
   return problems;
 }
 

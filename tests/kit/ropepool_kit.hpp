@@ -361,6 +361,15 @@ std::vector<std::string> changes_since(const Case& c, const Snapshot& before);
 ///   token that wrote it (the only token, or one of the tokens when slots repeat);
 /// - every other byte of every buffer (inputs, pool rows not written, gaps between and
 ///   after views, other layers of a stacked cache, the guards) is unchanged.
+/// An empty k_out (SPEC §4 return_k_rot=False): no k_out check, the k_out buffer unchanged,
+/// and each k pool row in q's dtype within the SPEC §1 bound of the float64 rotation.
 std::vector<std::string> check_call(const Case& c, const Snapshot& before, int threads = 1);
+
+/// SPEC §4 return_k_rot=False against the call just made (`before`: the buffers before it):
+/// the same call again from `before` with an empty k_out passes check_call and leaves every
+/// buffer but k_out's bit-identical to the first call's (q_out and the pools exactly as with
+/// k_rot). Leaves the case as the call without k_rot left it, k_out view restored.
+std::vector<std::string> check_without_k_rot(Case& c, const Snapshot& before,
+                                             const CallOptions& options = {});
 
 }  // namespace ropepool::test
