@@ -110,7 +110,7 @@ __device__ __forceinline__ void fused_head(const KernelParams<kMaxHalfRotary>& p
       store_e4m3(out, d, o, out_scale);
     } else {
       const Bits bits = to_bits<E>(o);
-      static_cast<Bits*>(out)[d] = bits;
+      if (out != nullptr) static_cast<Bits*>(out)[d] = bits;  // null: no k_rot (SPEC §4)
       if (pool != nullptr) {
         if constexpr (kPoolFp8) store_e4m3(pool, d, o, pool_scale);
         else static_cast<Bits*>(pool)[d] = bits;
@@ -176,7 +176,8 @@ __global__ void __launch_bounds__(kFusionWarps * 32)
     if (locked) lock_row(slot_lock(slot), lane);
     for (int h = 0; h < p.num_kv_heads; ++h) {
       const Bits* k = static_cast<const Bits*>(p.k) + t * p.k_row + h * p.k_head;
-      Bits* k_out = static_cast<Bits*>(p.k_out) + t * p.ko_row + h * p.ko_head;
+      // null k_out: no k_rot (SPEC §4), planned as a pool variant
+      Bits* k_out = kPool == 0 || p.k_out ? static_cast<Bits*>(p.k_out) + t * p.ko_row + h * p.ko_head : nullptr;
       PoolBits* k_pool =
           to_pool ? static_cast<PoolBits*>(p.k_pool) + ops.k_row_offset(pool_row) + h * p.kp_head
                   : nullptr;
@@ -395,7 +396,8 @@ __global__ void __launch_bounds__(1024, 1)
       } else {
         const int hk = h - Hq;
         const Raw bits = IO::from_float(o);
-        IO::store(static_cast<Bits*>(p.k_out) + t * p.ko_row + hk * p.ko_head + c * kVec, bits);
+        if (kPool == 0 || p.k_out != nullptr)  // null: no k_rot (SPEC §4; pool variants only)
+          IO::store(static_cast<Bits*>(p.k_out) + t * p.ko_row + hk * p.ko_head + c * kVec, bits);
         if (to_pool) {
           if constexpr (kFp8Pool) {
             Fp8::store(static_cast<uint8_t*>(p.k_pool) + kp_row + hk * p.kp_head + c * kVec,

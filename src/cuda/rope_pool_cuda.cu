@@ -219,8 +219,11 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   LaunchPlan plan;
   const bool fp8_pool = p.pool_dtype == DType::Float8E4M3FN, fp8_q = p.q_out_dtype == DType::Float8E4M3FN;
   // Paged pools, fp8 pools and fp8 q_out run their own kernels (PoolVariant); the seed's
-  // kernels (variant 0) address a pool of page size 1 as row slot * page_stride.
-  if (fp8_pool || fp8_q || p.page_size > 1) plan.pool_variant = cuda::kPoolPaged;
+  // kernels (variant 0) address a pool of page size 1 as row slot * page_stride. A call
+  // without k_rot (null k_out, SPEC §4) runs a pool variant too (a 3-D pool as page size 1):
+  // only those kernels test k_out, so the seed's keep their code.
+  const bool no_k_rot = p.k_out.data == nullptr;
+  if (fp8_pool || fp8_q || p.page_size > 1 || no_k_rot) plan.pool_variant = cuda::kPoolPaged;
   if (fp8_pool) plan.pool_variant |= cuda::kPoolFp8;
   if (fp8_q) plan.pool_variant |= cuda::kQOutFp8;
 
@@ -582,7 +585,7 @@ void launch_fusion(const RopePoolProblem& p, SlotErrorRecord* record, cudaStream
   // SPEC §6: the main kernel's pool variants (plan_launch), the same bits.
   const bool fp8_pool = p.pool_dtype == DType::Float8E4M3FN;
   const bool fp8_q = p.q_out_dtype == DType::Float8E4M3FN;
-  if (fp8_pool || fp8_q || p.page_size > 1) plan.pool_variant = kPoolPaged;
+  if (fp8_pool || fp8_q || p.page_size > 1 || p.k_out.data == nullptr) plan.pool_variant = kPoolPaged;
   if (fp8_pool) plan.pool_variant |= kPoolFp8;
   if (fp8_q) plan.pool_variant |= kQOutFp8;
   // The table, a row of head_dim floats per warp, and (pool variants) the scales and the pool

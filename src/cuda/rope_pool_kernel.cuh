@@ -698,15 +698,19 @@ struct HeadOps {
         // k_pool from the rotated float32 values, before they are rounded to q's dtype.
         float fa[kVec], fb[kVec];
         rotate_unit_float(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1], fa, fb);
-        store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j,
-                   stage[2 * i], stage[2 * i + 1]);
+        if (p.k_out != nullptr)  // null: no k_rot (SPEC §4 return_k_rot=False; pool variants only)
+          store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j,
+                     stage[2 * i], stage[2 * i + 1]);
         if (to_pool)
           store_unit_fp8<kPow2>(static_cast<uint8_t*>(p.k_pool) + k_row_offset(row) + c.head * p.kp_head,
                                 c.j, fa, fb, kv_scales[0]);
       } else {
         rotate_unit(cos_row, sin_row, c.j, stage[2 * i], stage[2 * i + 1]);
-        store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j,
-                   stage[2 * i], stage[2 * i + 1]);
+        // null k_out: no k_rot (SPEC §4 return_k_rot=False), which the planner gives a pool
+        // variant; the seed's kernels (variant 0) store unconditionally, as before
+        if (!kPaged || p.k_out != nullptr)
+          store_unit(static_cast<Bits*>(p.k_out) + t * p.ko_row + c.head * p.ko_head, c.j,
+                     stage[2 * i], stage[2 * i + 1]);
         if (to_pool)
           store_unit(static_cast<Bits*>(p.k_pool) + k_row_offset(row) + c.head * p.kp_head, c.j,
                      stage[2 * i], stage[2 * i + 1]);

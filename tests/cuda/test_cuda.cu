@@ -913,6 +913,7 @@ struct PoolCase {
   int ctas_per_token = 0;   ///< LaunchConfig::ctas_per_token (the uncapped kernel's split)
   int fp8_q_units = 0;      ///< LaunchConfig::fp8_q_units
   bool split_plain = false; ///< LaunchConfig::split_plain (a call in q's dtype on the uncapped kernel)
+  bool no_k_rot = false;    ///< SPEC §4 return_k_rot=False: a null k_out
   int expect_uncapped = -1; ///< 1 or 0: whether the plan must take the uncapped kernel; -1 any
   int expect_path = -1;     ///< a Path the plan must choose, or -1
   std::vector<int64_t> slots;  ///< empty: distinct random rows, some negative
@@ -941,6 +942,7 @@ struct PoolCase {
     if (ctas_per_token) n += " ctas/token=" + std::to_string(ctas_per_token);
     if (fp8_q_units) n += " q_units=" + std::to_string(fp8_q_units);
     if (split_plain) n += " split-plain";
+    if (no_k_rot) n += " no-k_rot";
     if (claimed_pool_size) n += " pool_size=" + std::to_string(claimed_pool_size);
     return n;
   }
@@ -987,6 +989,7 @@ struct PoolRun {
 
     CallOptions o;
     prob = detail::backend_problem(pr->dev, pr->params, o, schedule);
+    if (c.no_k_rot) prob.k_out = detail::Rows{nullptr, 0, 0};
     auto pool_rows = [&](PoolBuffer* b, int64_t origin) {
       return detail::PoolRows{b->dev->bytes_at(PoolBuffer::kGuard + size_t(c.base_off) + size_t(origin) * pes),
                               g.page_stride, g.row_stride, g.head_stride};
@@ -1291,7 +1294,34 @@ struct PoolRun {
 int g_pool_cases = 0;
 
 /// Runs one case, prints one line: ok/FAIL, the plan (path, variant, warps), the case.
+/// SPEC §4 return_k_rot=False: `run` (launched, null k_out) against the same case with k_out on
+/// the same inputs (`twin_rng`: the generator as `run` found it): the twin passes the whole
+/// check, and `run` wrote the same cache bytes and q_out bit for bit and not one byte of its
+/// k_out buffer (all-ones poison).
+int64_t check_without_k_rot(const PoolRun& run, const PoolCase& pc, Rng& twin_rng, std::string& first) {
+  PoolCase with = pc;
+  with.no_k_rot = false;
+  PoolRun twin(with, twin_rng);
+  twin.launch();
+  ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
+  int64_t bad = twin.check(first);
+  auto note = [&](const std::string& m) {
+    if (bad++ == 0) first = m;
+  };
+  for (size_t b = 0; b < run.bufs.size(); ++b)
+    if (run.bufs[b]->now() != twin.bufs[b]->now())
+      note("cache allocation " + std::to_string(b) + " differs from the call with k_rot");
+  const DeviceBuffer& q = pc.fp8_q ? *run.q8 : *run.pr->d_q_out;
+  const DeviceBuffer& q_twin = pc.fp8_q ? *twin.q8 : *twin.pr->d_q_out;
+  if (run.pr->fetch(q) != twin.pr->fetch(q_twin)) note("q_out differs from the call with k_rot");
+  const std::vector<uint8_t> k_out = run.pr->fetch(*run.pr->d_k_out);
+  if (std::any_of(k_out.begin(), k_out.end(), [](uint8_t x) { return x != 0xff; }))
+    note("k_out was written although the call asked for no k_rot");
+  return bad;
+}
+
 void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
+  Rng twin_rng = rng;
   PoolRun run(pc, rng);
   int variant = 0, warps = 0, kv_items = 0, q_units = 0, ctas = 0;
   bool uncapped = false;
@@ -1302,7 +1332,7 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   try {
     run.launch();
     ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
-    bad = run.check(first);
+    bad = pc.no_k_rot ? check_without_k_rot(run, pc, twin_rng, first) : run.check(first);
   } catch (const std::exception& e) {
     bad = 1, first = std::string("threw ") + e.what();
   }
@@ -2090,6 +2120,40 @@ void test_e4m3_conversion(Rng& rng) {
   std::printf("  %-4s %s\n", bad == 0 ? "ok" : "FAIL", what.c_str());
 }
 
+/// SPEC §4 return_k_rot=False on every kernel: the seed's tuned kernel (3-D pool in q's dtype),
+/// the paged and uncapped ones (a token over CTAs), the lock mode (T > 256), fp8 pools and q_out,
+/// the norm variant of the main kernel and both fusion kernels (partial rotary, odd head_dim).
+void test_no_k_rot(Rng& rng) {
+  std::printf("no k_rot (SPEC §4 return_k_rot=False), against the same call with k_rot:\n");
+  struct S {
+    Cache cache;
+    int64_t page_size, T, Hq, Hk, D, R;
+    bool fp8_pool, fp8_q;
+    int norm;
+  };
+  const S shapes[] = {{Cache::Pool3D, 1, 1, 32, 8, 128, 0, false, false, 0},
+                      {Cache::Pool3D, 1, 37, 4, 2, 128, 0, false, false, 0},
+                      {Cache::NHD, 16, 3, 32, 8, 128, 0, false, false, 0},
+                      {Cache::HND, 64, 300, 32, 8, 128, 0, false, false, 0},
+                      {Cache::NHD, 16, 3, 32, 8, 128, 0, true, true, 0},
+                      {Cache::FlashNHD, 16, 300, 8, 2, 128, 0, true, false, 0},
+                      {Cache::Pool3D, 1, 37, 4, 2, 80, 0, false, true, 0},
+                      {Cache::NHD, 16, 37, 4, 2, 128, 0, false, false, 1},
+                      {Cache::Vllm, 16, 37, 4, 2, 128, 0, true, false, 2},
+                      {Cache::Pool3D, 1, 37, 4, 2, 128, 64, false, false, 1},
+                      {Cache::HND, 16, 37, 3, 2, 34, 0, false, false, 1}};
+  for (DType dt : {DType::BFloat16, DType::Float16, DType::Float32})
+    for (const S& s : shapes) {
+      if (g_sanitize && dt != DType::BFloat16) continue;
+      PoolCase c;
+      c.dtype = dt, c.cache = s.cache, c.page_size = s.page_size, c.T = s.T, c.Hq = s.Hq, c.Hk = s.Hk;
+      c.D = s.D, c.R = s.R, c.norm = s.norm, c.no_k_rot = true;
+      c.fp8_pool = s.fp8_pool, c.k_scale = 0.0375f, c.v_scale = 0.3f;
+      c.fp8_q = s.fp8_q, c.q_scale = 0.07f;
+      run_pool_case(c, rng, "no-k_rot");
+    }
+}
+
 void test_pools(Rng& rng) {
   test_e4m3_conversion(rng);
   test_e4m3_division(rng);
@@ -2101,6 +2165,7 @@ void test_pools(Rng& rng) {
   test_paged_slots(rng);
   test_graph_scales(rng);
   test_norm_caches(rng);
+  test_no_k_rot(rng);
   std::printf("pools (SPEC §6, with SPEC §7's norm too): %d cases\n", g_pool_cases);
 }
 
