@@ -61,6 +61,7 @@ def rope_pool_fused(
     norm_style: Optional[str] = None,
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: Optional[bool] = None,
+    return_k_rot: bool = True,
 ) -> Tuple[Any, Any, Any, Any]:
     """Applies RoPE to q and k and writes rotated k and v into the KV-cache pools.
 
@@ -126,11 +127,16 @@ def rope_pool_fused(
             ``[s_t, s_h, s_w]`` summing to ``rotary_dim/2``; positions are then ``[3, T]``
             (temporal, height, width rows). Also read from ``rope_scaling``.
         mrope_interleaved: Qwen3-VL's interleaved axis order (default False).
+        return_k_rot: False: k_rot is neither written nor returned (the result's k_rot is
+            None; k is only read): for engines whose attention reads k from the cache,
+            this saves writing k_rot. Not with ``k_out``; with ``inplace`` q is rotated in
+            place and k is left as it was.
 
     Returns:
         ``(q_rot, k_rot, k_pool, v_pool)``: q_rot and k_rot are new contiguous arrays of
-        q's framework, dtype and device (or q/k with ``inplace``, q_out/k_out where given);
-        k_pool and v_pool are the very objects passed in.
+        q's framework, dtype and device (or q/k with ``inplace``, q_out/k_out where given;
+        k_rot is None with ``return_k_rot=False``); k_pool and v_pool are the very objects
+        passed in.
 
     Arrays are PyTorch tensors (CPU; CUDA with the CUDA backend, run on the current stream
     of their device) or any DLPack / buffer-protocol producer (NumPy, ...); they are never
@@ -153,6 +159,7 @@ def rope_pool_fused(
             and k_scale is None and v_scale is None and q_scale is None and q_out_dtype is None \
             and q_norm_weight is None and k_norm_weight is None and norm_eps is None \
             and norm_style is None and mrope_section is None and mrope_interleaved is None \
+            and return_k_rot is True \
             and ((inplace is False
                   and (q_out is None
                        or (type(q_out) is _FAST_TENSOR and q_out.dtype is not _FAST_FP8))
@@ -185,8 +192,11 @@ def rope_pool_fused(
     check_slots = bool(check_slots)
     interleaved = bool(interleaved)
     inplace = bool(inplace)
+    k_rot_wanted = bool(return_k_rot)
     if has_out:
         _check_out_keywords(q_out, k_out, inplace)
+    if not k_rot_wanted:
+        _check_no_k_rot(k_out)
     cache = _cache_args(kv_layout, k_scale, v_scale, q_scale, q_out_dtype, inplace)
 
     if all_torch:
@@ -199,12 +209,20 @@ def rope_pool_fused(
                             "torch.Tensors when the other arguments are")
         scalars = (head_dim, num_qo_heads, num_kv_heads, rope_base, check_slots, rotary_dim,
                    interleaved, sched_freqs, sched_scale) + cache + fusion
-        if has_out:
+        if has_out or not k_rot_wanted:
             # One op for every out= call: the output not given is allocated here, as the
-            # default op would, so the op has a fixed set of mutated arguments.
-            q_rot = _new_q_rot(q, cache[-1]) if q_out is None else q_out
-            k_rot = _new_torch_output(k) if k_out is None else k_out
-            if _plain_eager(tensors + (q_rot, k_rot)) and _plain_scales(cache) \
+            # default op would, so the op has a fixed set of mutated arguments. No k_rot
+            # (return_k_rot=False): the op's k_out is None; with inplace q_out is q.
+            if not k_rot_wanted and inplace:
+                q_rot = q
+            else:
+                q_rot = _new_q_rot(q, cache[-1]) if q_out is None else q_out
+            if not k_rot_wanted:
+                k_rot = None
+            else:
+                k_rot = _new_torch_output(k) if k_out is None else k_out
+            outs = (q_rot, k_rot) if k_rot is not None else (q_rot,)
+            if _plain_eager(tensors + outs) and _plain_scales(cache) \
                     and _plain_weights(fusion):
                 _rope_pool_fused_out_kernel(*tensors, q_rot, k_rot, *scalars)
             else:
@@ -238,7 +256,9 @@ def rope_pool_fused(
         q_rot, k_rot = q, k
     else:
         q_rot = _new_array_output(q, "q") if q_out is None else q_out
-        k_rot = _new_array_output(k, "k") if k_out is None else k_out
+        k_rot = _new_array_output(k, "k") if k_out is None and k_rot_wanted else k_out
+    if not k_rot_wanted:
+        k_rot = None
     _ropepool.rope_pool_fused_into(
         q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot,
         head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -358,6 +378,13 @@ def _check_out_keywords(q_out, k_out, inplace) -> None:
         raise ValueError(f"rope_pool_fused: {given} cannot be combined with inplace=True "
                          "(inplace writes q_rot/k_rot into q and k); pass q_out/k_out or "
                          "inplace=True, not both (q_out=q, k_out=k is in-place rotation)")
+
+
+def _check_no_k_rot(k_out) -> None:
+    """return_k_rot=False against k_out: a k_rot output for a call that writes none."""
+    if k_out is not None:
+        raise ValueError("rope_pool_fused: k_out cannot be combined with return_k_rot=False "
+                         "(no k_rot is written); pass k_out or return_k_rot=False, not both")
 
 
 def _cache_kwargs(cache):
@@ -489,6 +516,7 @@ def validate_rope_pool(
     norm_style: Optional[str] = None,
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: Optional[bool] = None,
+    return_k_rot: bool = True,
 ) -> None:
     """Only the validation of :func:`rope_pool_fused`, with its exact arguments: raises the
     same error the op would for this call, writes nothing, never waits for a device.
@@ -511,6 +539,9 @@ def validate_rope_pool(
                           sched_interleaved)
     if has_out:
         _check_out_keywords(q_out, k_out, bool(inplace))
+    k_rot_wanted = bool(return_k_rot)
+    if not k_rot_wanted:
+        _check_no_k_rot(k_out)
     cache = _cache_args(kv_layout, k_scale, v_scale, q_scale, q_out_dtype, bool(inplace))
     is_torch = torch is not None and all(isinstance(t, torch.Tensor) for t in tensors)
     if is_torch:
@@ -526,10 +557,12 @@ def validate_rope_pool(
         q_rot, k_rot = q, k
     elif is_torch:
         q_rot = _new_q_rot(q, cache[-1]) if q_out is None else q_out
-        k_rot = _new_torch_output(k) if k_out is None else k_out
+        k_rot = _new_torch_output(k) if k_out is None and k_rot_wanted else k_out
     else:
         q_rot = _new_array_output(q, "q") if q_out is None else q_out
-        k_rot = _new_array_output(k, "k") if k_out is None else k_out
+        k_rot = _new_array_output(k, "k") if k_out is None and k_rot_wanted else k_out
+    if not k_rot_wanted:
+        k_rot = None
     _ropepool.rope_pool_fused_into(
         q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot,
         head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -654,9 +687,10 @@ if torch is not None:
     # the caller left out): written in place like the pools, nothing returned (a custom op
     # cannot return its mutated inputs; rope_pool_fused returns the caller's objects). A
     # float8_e4m3fn q_out is the fp8 q_rot; q_fp8 is not read (q_out's dtype says it).
+    # k_out None: no k_rot (return_k_rot=False).
     _LIB.define(
         "rope_pool_fused_out(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor slots, "
-        "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor(c!) q_out, Tensor(d!) k_out, "
+        "Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor(c!) q_out, Tensor(d!)? k_out, "
         + _SCHEMA_TAIL + " -> ()"
     )
     # Private torch APIs (each with a public fallback) are named in _torch_compat only.
@@ -738,7 +772,8 @@ if torch is not None:
     def _rope_pool_fused_out_kernel(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out,
                                     *scalars, **kwargs):
         _run(q, k, v, positions, slots, k_pool, v_pool, q_out, k_out, *scalars, **kwargs)
-        _increment_version((q_out, k_out, k_pool, v_pool))
+        _increment_version((q_out, k_out, k_pool, v_pool) if k_out is not None
+                           else (q_out, k_pool, v_pool))
 
     def _fast_eager() -> bool:
         return not _is_compiling() and _dispatch_mode() is None

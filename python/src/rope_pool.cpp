@@ -219,11 +219,12 @@ void rope_pool_fused_into(nb::handle q, nb::handle k, nb::handle v, nb::handle p
       import_array<ReadArray>(v, kArgNames[2], false, exporter),
       import_array<ReadArray>(positions, kArgNames[3], false, exporter),
       import_array<ReadArray>(slots, kArgNames[4], false, exporter)};
+  // k_out None: no k_rot (SPEC §4 return_k_rot=False), an empty view for the core.
   const std::array<WriteArray, 4> outputs = {
       import_array<WriteArray>(k_pool, kArgNames[5], true, exporter),
       import_array<WriteArray>(v_pool, kArgNames[6], true, exporter),
       import_array<WriteArray>(q_out, kArgNames[7], true, exporter),
-      import_array<WriteArray>(k_out, kArgNames[8], true, exporter)};
+      k_out.is_none() ? WriteArray() : import_array<WriteArray>(k_out, kArgNames[8], true, exporter)};
 
   // SPEC §6 scales: a number, or a one-element tensor read when the kernel runs.
   std::array<ReadArray, 3> scale_arrays;
@@ -241,7 +242,7 @@ void rope_pool_fused_into(nb::handle q, nb::handle k, nb::handle v, nb::handle p
   tensors.k_pool = to_view(outputs[0]);
   tensors.v_pool = to_view(outputs[1]);
   tensors.q_out = to_view(outputs[2]);
-  tensors.k_out = to_view(outputs[3]);
+  if (!k_out.is_none()) tensors.k_out = to_view(outputs[3]);
 
   RopePoolParams params;
   params.head_dim = head_dim;
@@ -393,7 +394,7 @@ void init_rope_pool(nb::module_& m) {
         "of normalised entries. Use ropepool.rope_schedule instead.");
 
   m.def("rope_pool_fused_into", &rope_pool_fused_into, "q"_a, "k"_a, "v"_a, "positions"_a,
-        "slots"_a, "k_pool"_a, "v_pool"_a, "q_out"_a, "k_out"_a, nb::kw_only(),
+        "slots"_a, "k_pool"_a, "v_pool"_a, "q_out"_a, "k_out"_a.none(), nb::kw_only(),
         "head_dim"_a, "num_qo_heads"_a, "num_kv_heads"_a, "rope_base"_a,
         "check_slots"_a = false, "stream"_a = 0, "exporter"_a = nb::none(),
         "rotary_dim"_a = 0, "interleaved"_a = false, "schedule_inv_freq"_a = nb::none(),
@@ -406,7 +407,7 @@ void init_rope_pool(nb::module_& m) {
         "mrope_interleaved"_a = false,
         nb::sig("def rope_pool_fused_into(q: object, k: object, v: object, "
                 "positions: object, slots: object, k_pool: object, v_pool: object, "
-                "q_out: object, k_out: object, *, head_dim: int, num_qo_heads: int, "
+                "q_out: object, k_out: object | None, *, head_dim: int, num_qo_heads: int, "
                 "num_kv_heads: int, rope_base: float, check_slots: bool = False, "
                 "stream: int = 0, exporter: object = None, rotary_dim: int = 0, "
                 "interleaved: bool = False, schedule_inv_freq: list[float] | None = None, "
@@ -427,7 +428,8 @@ stream); the caller must have made the arrays' device current. `exporter(x)`, if
 returns a DLPack capsule for x (a faster route than x.__dlpack__()); messages still print
 shapes from the objects themselves. `schedule_inv_freq`/`schedule_attention_scaling`, when
 given, are a precomputed schedule (from rope_schedule) for rotary_dim; q_out/k_out may be
-q/k themselves (in-place rotation); q_out may be float8_e4m3fn (fp8 q_rot, SPEC §6).
+q/k themselves (in-place rotation); q_out may be float8_e4m3fn (fp8 q_rot, SPEC §6);
+k_out None writes no k_rot (SPEC §4 return_k_rot=False).
 `kv_layout` ("NHD" / "HND") takes 4-D paged pools; `k_scale`/`v_scale`/`q_scale` are numbers
 and `*_scale_tensor` one-element float32 arrays read when the kernel runs (one of the two
 per scale). `mrope_section`/`mrope_interleaved` belong to the schedule (SPEC §7), and

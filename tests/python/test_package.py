@@ -53,7 +53,9 @@ def test_signature_is_explicit_and_keyword_only():
                             # SPEC §7
                             "q_norm_weight": None, "k_norm_weight": None, "norm_eps": None,
                             "norm_style": None, "mrope_section": None,
-                            "mrope_interleaved": None}
+                            "mrope_interleaved": None,
+                            # SPEC §4: no k_rot
+                            "return_k_rot": True}
     for fn in (ropepool.rope_pool_fused, ropepool.set_num_threads, ropepool.get_num_threads):
         assert fn.__doc__ and len(fn.__doc__) > 40
 
