@@ -44,6 +44,8 @@ if not getattr(_ropepool, "jax_front_end", False):
 
 #: The XLA FFI target name of rope_pool_fused.
 TARGET = "ropepool_rope_pool_fused"
+#: The XLA FFI target name of rope_pool_fused with ``return_k_rot=False`` (no k_rot result).
+NO_K_ROT_TARGET = "ropepool_rope_pool_fused_no_k_rot"
 #: The XLA FFI target name of mla_rope_pool_fused.
 MLA_TARGET = "ropepool_mla_rope_pool_fused"
 
@@ -57,10 +59,13 @@ del _platform, _handlers, _target, _capsule
 
 # One ffi_call per aliasing pattern: operands (q, k, v, positions, slots, k_pool, v_pool,
 # then the norm weights given), results (q_rot, k_rot, k_pool, v_pool); inplace also aliases
-# q and k to q_rot and k_rot. MLA: operands (q_pe, k_pe, kv_c, positions, slots, kv_cache),
-# results (q_pe_rot, k_pe_rot, kv_cache).
+# q and k to q_rot and k_rot. Without k_rot (NO_K_ROT_TARGET): results (q_rot, k_pool,
+# v_pool), inplace aliases q only. MLA: operands (q_pe, k_pe, kv_c, positions, slots,
+# kv_cache), results (q_pe_rot, k_pe_rot, kv_cache).
 _POOL_ALIASES = {5: 2, 6: 3}
 _INPLACE_ALIASES = {0: 0, 1: 1, 5: 2, 6: 3}
+_NO_K_ROT_POOL_ALIASES = {5: 1, 6: 2}
+_NO_K_ROT_INPLACE_ALIASES = {0: 0, 5: 1, 6: 2}
 _MLA_ALIASES = {5: 2}
 _MLA_INPLACE_ALIASES = {0: 0, 1: 1, 5: 2}
 
@@ -78,8 +83,8 @@ _MLA_ATTRIBUTES = dict(
     attention_scaling=np.float64, nhd=np.bool_, kv_scale=np.float64, check_slots=np.bool_)
 # The keywords of one call, hashable (the jit cache key below: a call outside jax.jit traces
 # once per distinct call, not on every call); q_fp8 (a float8_e4m3fn q_rot) is the result's
-# dtype, not an attribute.
-_RopeKeywords = collections.namedtuple("_RopeKeywords", (*_ROPE_ATTRIBUTES, "q_fp8"))
+# dtype and k_rot (return_k_rot) the choice of target, not attributes.
+_RopeKeywords = collections.namedtuple("_RopeKeywords", (*_ROPE_ATTRIBUTES, "q_fp8", "k_rot"))
 _MlaKeywords = collections.namedtuple("_MlaKeywords", _MLA_ATTRIBUTES)
 
 
@@ -118,7 +123,8 @@ def rope_pool_fused(
     norm_style: Optional[str] = None,
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: Optional[bool] = None,
-) -> Tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    return_k_rot: bool = True,
+) -> Tuple[jax.Array, Optional[jax.Array], jax.Array, jax.Array]:
     """:func:`ropepool.rope_pool_fused` for JAX: the same arguments and keywords (SPEC §1,
     §4, §6, §7), ``jax.Array``s in and out, usable under ``jax.jit``.
 
@@ -129,6 +135,11 @@ def rope_pool_fused(
     own buffers back, written in place, with no copy; otherwise XLA copies them and the
     caller's arrays keep their values. ``inplace=True`` aliases q and k to q_rot and k_rot
     the same way (donate them too to save the copy).
+
+    ``return_k_rot=False``: k_rot is neither written nor returned (the result's k_rot is
+    None; the custom call has no k_rot result, so XLA allocates no buffer for it): for
+    engines whose attention reads k from the cache. The pools get what they get with k_rot;
+    with ``inplace=True`` only q is aliased to q_rot (k is only read: don't donate it).
 
     SPEC §7: ``q_norm_weight``/``k_norm_weight`` are arrays (operands of the call),
     ``norm_eps``/``norm_style`` and ``mrope_section``/``mrope_interleaved`` (positions
@@ -174,7 +185,7 @@ def rope_pool_fused(
         q_norm=q_w is not None, k_norm=k_w is not None, norm_eps=_tuple(norm_eps),
         norm_style=norm_style, kv_layout=kv_layout, k_scale=_tuple(scales[1]),
         v_scale=_tuple(scales[3]), q_scale=_tuple(scales[5]), check_slots=bool(check_slots),
-        q_fp8=q_fp8)
+        q_fp8=q_fp8, k_rot=bool(return_k_rot))
     operands += tuple(w for _, w in weights)
     _ropepool.jax_validate(*_abstract(operands), keywords._asdict())
     return _rope_call(*operands, keywords=keywords, inplace=inplace)
@@ -238,6 +249,15 @@ def mla_rope_pool_fused(
 @functools.partial(jax.jit, static_argnames=("keywords", "inplace"))
 def _rope_call(q, k, v, positions, slots, k_pool, v_pool, *weights, keywords, inplace):
     q_dtype = jnp.float8_e4m3fn if keywords.q_fp8 else q.dtype
+    if not keywords.k_rot:  # no k_rot result at all (return_k_rot=False)
+        results = (jax.ShapeDtypeStruct(q.shape, q_dtype),) + tuple(
+            jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k_pool, v_pool))
+        q_rot, k_pool, v_pool = _custom_call(
+            "rope_pool_fused", NO_K_ROT_TARGET, results,
+            _NO_K_ROT_INPLACE_ALIASES if inplace else _NO_K_ROT_POOL_ALIASES,
+            _attributes(keywords, _ROPE_ATTRIBUTES), q, k, v, positions, slots, k_pool, v_pool,
+            *weights)
+        return q_rot, None, k_pool, v_pool
     results = (jax.ShapeDtypeStruct(q.shape, q_dtype),) + tuple(
         jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, k_pool, v_pool))
     return _custom_call(
@@ -354,4 +374,5 @@ def _platform_of(operands) -> str:
     return {"gpu": "cuda", "cuda": "cuda", "cpu": "cpu"}.get(platform, platform)
 
 
-__all__ = ["rope_pool_fused", "mla_rope_pool_fused", "TARGET", "MLA_TARGET", "platforms"]
+__all__ = ["rope_pool_fused", "mla_rope_pool_fused", "TARGET", "NO_K_ROT_TARGET", "MLA_TARGET",
+           "platforms"]

@@ -103,8 +103,9 @@ def rope_pool_fused(
     norm_style: Optional[str] = None,
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: Optional[bool] = None,
+    return_k_rot: bool = True,
     stream: Any = None,
-) -> Tuple["mx.array", "mx.array", "mx.array", "mx.array"]:
+) -> Tuple["mx.array", Optional["mx.array"], "mx.array", "mx.array"]:
     """RoPE on q and k and the KV-cache pool write, as an MLX primitive (SPEC §1, §9).
 
     Arguments and keywords are those of :func:`ropepool.rope_pool_fused` (SPEC §4, §6, §7)
@@ -118,8 +119,13 @@ def rope_pool_fused(
     updated pools (donated buffers when nothing else references the ones passed in, copies
     otherwise).
 
+    ``return_k_rot=False``: k_rot is neither written nor returned (the result's k_rot is
+    None; the primitive has no k_rot output, so no buffer is allocated for it): for engines
+    whose attention reads k from the cache. The pools get what they get with k_rot.
+
     ``inplace=True`` lets q_rot/k_rot take over q's and k's buffers too, when nothing else
-    references them at evaluation time (the returned arrays are new either way).
+    references them at evaluation time (the returned arrays are new either way; with
+    ``return_k_rot=False`` only q's).
     ``stream``: an MLX stream or device (default: the default stream); ropepool runs on
     MLX's CPU stream only, and a GPU stream is a ValueError.
 
@@ -142,6 +148,8 @@ def rope_pool_fused(
     extra = _fusion_kwargs(fusion)
     if cache is not _NO_CACHE:
         extra.update(_cache_kwargs(cache), q_fp8=cache[-1])
+    if not return_k_rot:
+        extra["return_k_rot"] = False
     return _ext.rope_pool_fused(
         q, k, v, positions, slots, k_pool, v_pool,
         head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,

@@ -208,11 +208,12 @@ ffi::Error status(Call&& call) {
   return ffi::Error::Success();
 }
 
+// `k_rot` null: the call without a k_rot result (SPEC §4 return_k_rot=False), k_out empty.
 ffi::Error run(Device device, void* stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                ffi::AnyBuffer positions, ffi::AnyBuffer slots, ffi::AnyBuffer k_pool,
                ffi::AnyBuffer v_pool, std::optional<ffi::AnyBuffer> weight0,
                std::optional<ffi::AnyBuffer> weight1, ffi::Result<ffi::AnyBuffer> q_rot,
-               ffi::Result<ffi::AnyBuffer> k_rot, ffi::Result<ffi::AnyBuffer> k_pool_out,
+               ffi::Result<ffi::AnyBuffer>* k_rot, ffi::Result<ffi::AnyBuffer> k_pool_out,
                ffi::Result<ffi::AnyBuffer> v_pool_out, const Keywords& kw) {
   if (!aliased(k_pool, k_pool_out) || !aliased(v_pool, v_pool_out))
     return ffi::Error::Internal(
@@ -227,7 +228,7 @@ ffi::Error run(Device device, void* stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   t.k_pool = view(*k_pool_out, device);
   t.v_pool = view(*v_pool_out, device);
   t.q_out = view(*q_rot, device);  // q itself with inplace=True (aliased)
-  t.k_out = view(*k_rot, device);
+  if (k_rot) t.k_out = view(**k_rot, device);
   return status([&] {
     RopeSchedule schedule;
     RopePoolParams params = params_of(kw, schedule);
@@ -283,7 +284,19 @@ ffi::Error run_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::An
                    ffi::Result<ffi::AnyBuffer> k_pool_out, ffi::Result<ffi::AnyBuffer> v_pool_out,
                    Keywords kw) {
   return run(kCpu, nullptr, q, k, v, positions, slots, k_pool, v_pool, weight0, weight1, q_rot,
-             k_rot, k_pool_out, v_pool_out, kw);
+             &k_rot, k_pool_out, v_pool_out, kw);
+}
+
+// rope_pool_fused without the k_rot result (return_k_rot=False): its own FFI target.
+ffi::Error run_cpu_no_k_rot(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::AnyBuffer positions, ffi::AnyBuffer slots, ffi::AnyBuffer k_pool,
+                            ffi::AnyBuffer v_pool, std::optional<ffi::AnyBuffer> weight0,
+                            std::optional<ffi::AnyBuffer> weight1,
+                            ffi::Result<ffi::AnyBuffer> q_rot,
+                            ffi::Result<ffi::AnyBuffer> k_pool_out,
+                            ffi::Result<ffi::AnyBuffer> v_pool_out, Keywords kw) {
+  return run(kCpu, nullptr, q, k, v, positions, slots, k_pool, v_pool, weight0, weight1, q_rot,
+             nullptr, k_pool_out, v_pool_out, kw);
 }
 
 ffi::Error run_mla_cpu(ffi::AnyBuffer q_pe, ffi::AnyBuffer k_pe, ffi::AnyBuffer kv_c,
@@ -305,7 +318,19 @@ ffi::Error run_cuda(void* stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuff
                     ffi::Result<ffi::AnyBuffer> k_pool_out,
                     ffi::Result<ffi::AnyBuffer> v_pool_out, Keywords kw) {
   return run({DeviceType::CUDA, device}, stream, q, k, v, positions, slots, k_pool, v_pool,
-             weight0, weight1, q_rot, k_rot, k_pool_out, v_pool_out, kw);
+             weight0, weight1, q_rot, &k_rot, k_pool_out, v_pool_out, kw);
+}
+
+ffi::Error run_cuda_no_k_rot(void* stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                             ffi::AnyBuffer v, ffi::AnyBuffer positions, ffi::AnyBuffer slots,
+                             ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
+                             std::optional<ffi::AnyBuffer> weight0,
+                             std::optional<ffi::AnyBuffer> weight1,
+                             ffi::Result<ffi::AnyBuffer> q_rot,
+                             ffi::Result<ffi::AnyBuffer> k_pool_out,
+                             ffi::Result<ffi::AnyBuffer> v_pool_out, Keywords kw) {
+  return run({DeviceType::CUDA, device}, stream, q, k, v, positions, slots, k_pool, v_pool,
+             weight0, weight1, q_rot, nullptr, k_pool_out, v_pool_out, kw);
 }
 
 ffi::Error run_mla_cuda(void* stream, int32_t device, ffi::AnyBuffer q_pe, ffi::AnyBuffer k_pe,
@@ -318,8 +343,9 @@ ffi::Error run_mla_cuda(void* stream, int32_t device, ffi::AnyBuffer q_pe, ffi::
 }
 #endif
 
+// (by reference: a Binding cannot be moved into a parameter)
 template <typename Binding>
-auto bind_operands(Binding b) {
+auto bind_inputs(Binding&& b) {
   return std::move(b).template Arg<ffi::AnyBuffer>()  // q
       .template Arg<ffi::AnyBuffer>()      // k
       .template Arg<ffi::AnyBuffer>()      // v
@@ -328,9 +354,24 @@ auto bind_operands(Binding b) {
       .template Arg<ffi::AnyBuffer>()      // k_pool
       .template Arg<ffi::AnyBuffer>()      // v_pool
       .template OptionalArg<ffi::AnyBuffer>()  // q_norm_weight or k_norm_weight (SPEC §7)
-      .template OptionalArg<ffi::AnyBuffer>()  // k_norm_weight after q_norm_weight
+      .template OptionalArg<ffi::AnyBuffer>();  // k_norm_weight after q_norm_weight
+}
+
+template <typename Binding>
+auto bind_operands(Binding b) {
+  return bind_inputs(std::move(b))
       .template Ret<ffi::AnyBuffer>()      // q_rot
       .template Ret<ffi::AnyBuffer>()      // k_rot
+      .template Ret<ffi::AnyBuffer>()      // k_pool (aliased)
+      .template Ret<ffi::AnyBuffer>()      // v_pool (aliased)
+      .template Attrs<Keywords>();
+}
+
+// return_k_rot=False: no k_rot result (nothing allocated or written for it).
+template <typename Binding>
+auto bind_operands_no_k_rot(Binding b) {
+  return bind_inputs(std::move(b))
+      .template Ret<ffi::AnyBuffer>()      // q_rot
       .template Ret<ffi::AnyBuffer>()      // k_pool (aliased)
       .template Ret<ffi::AnyBuffer>()      // v_pool (aliased)
       .template Attrs<Keywords>();
@@ -351,12 +392,18 @@ auto bind_mla_operands(Binding b) {
 }
 
 XLA_FFI_DEFINE_HANDLER(kRopePoolFusedCpu, run_cpu, bind_operands(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kRopePoolFusedNoKRotCpu, run_cpu_no_k_rot,
+                       bind_operands_no_k_rot(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kMlaRopePoolFusedCpu, run_mla_cpu, bind_mla_operands(ffi::Ffi::Bind()));
 #ifdef ROPEPOOL_WITH_CUDA
 XLA_FFI_DEFINE_HANDLER(kRopePoolFusedCuda, run_cuda,
                        bind_operands(ffi::Ffi::Bind()
                                          .Ctx<ffi::PlatformStream<void*>>()
                                          .Ctx<ffi::DeviceOrdinal>()));
+XLA_FFI_DEFINE_HANDLER(kRopePoolFusedNoKRotCuda, run_cuda_no_k_rot,
+                       bind_operands_no_k_rot(ffi::Ffi::Bind()
+                                                  .Ctx<ffi::PlatformStream<void*>>()
+                                                  .Ctx<ffi::DeviceOrdinal>()));
 XLA_FFI_DEFINE_HANDLER(kMlaRopePoolFusedCuda, run_mla_cuda,
                        bind_mla_operands(ffi::Ffi::Bind()
                                              .Ctx<ffi::PlatformStream<void*>>()
@@ -446,10 +493,11 @@ void validate(const std::vector<std::vector<int64_t>>& shapes,
   t.q = v[0], t.k = v[1], t.v = v[2], t.positions = v[3], t.slots = v[4];
   t.k_pool = v[5], t.v_pool = v[6];
   // Fresh arrays of q's and k's shape (q_rot float8_e4m3fn with q_out_dtype), or q and k
-  // with inplace: with null data there is no overlap either way.
+  // with inplace: with null data there is no overlap either way. No k_rot
+  // (return_k_rot=False): k_out empty.
   t.q_out = t.q;
   if (r.get<bool>("q_fp8")) t.q_out.dtype = DType::Float8E4M3FN;
-  t.k_out = t.k;
+  if (r.get<bool>("k_rot")) t.k_out = t.k;
   RopeSchedule schedule;
   RopePoolParams params = params_of(kw, schedule);
   // The op tells a given norm weight by its data pointer: a placeholder address, never read.
@@ -511,12 +559,16 @@ void init_jax(nb::module_& m) {
       [] {
         nb::dict cpu, handlers;
         cpu["ropepool_rope_pool_fused"] = nb::capsule(reinterpret_cast<void*>(kRopePoolFusedCpu));
+        cpu["ropepool_rope_pool_fused_no_k_rot"] =
+            nb::capsule(reinterpret_cast<void*>(kRopePoolFusedNoKRotCpu));
         cpu["ropepool_mla_rope_pool_fused"] =
             nb::capsule(reinterpret_cast<void*>(kMlaRopePoolFusedCpu));
         handlers["cpu"] = cpu;
 #ifdef ROPEPOOL_WITH_CUDA
         nb::dict cuda;
         cuda["ropepool_rope_pool_fused"] = nb::capsule(reinterpret_cast<void*>(kRopePoolFusedCuda));
+        cuda["ropepool_rope_pool_fused_no_k_rot"] =
+            nb::capsule(reinterpret_cast<void*>(kRopePoolFusedNoKRotCuda));
         cuda["ropepool_mla_rope_pool_fused"] =
             nb::capsule(reinterpret_cast<void*>(kMlaRopePoolFusedCuda));
         handlers["CUDA"] = cuda;
@@ -528,7 +580,8 @@ void init_jax(nb::module_& m) {
   m.def("jax_validate", &validate, "shapes"_a, "dtypes"_a, "platform"_a, "keywords"_a,
         "Low-level: validate_rope_pool from the operands' shapes and dtype names (JAX's "
         "abstract values; q, k, v, positions, slots, k_pool, v_pool, then the norm weights "
-        "given), for platform 'cpu' or 'cuda', and the keywords as ropepool.jax passes them; "
+        "given), for platform 'cpu' or 'cuda', and the keywords as ropepool.jax passes them "
+        "(k_rot False: no k_rot, return_k_rot=False); "
         "raises ValueError with the SPEC §2 messages. Slot values and the CPU angle scan are "
         "checked when the call runs.");
   m.def("jax_validate_mla", &validate_mla, "shapes"_a, "dtypes"_a, "platform"_a, "keywords"_a,

@@ -286,16 +286,17 @@ struct ExtraInputs {
 };
 
 // rope_pool_fused. Inputs (q, k, v, positions, slots, k_pool, v_pool, then the extra inputs
-// that are given), outputs (q_rot, k_rot, k_pool, v_pool). uint8 pools and a uint8 q_rot
-// hold float8 e4m3 bits (SPEC §6).
+// that are given), outputs (q_rot, k_rot, k_pool, v_pool), or (q_rot, k_pool, v_pool) without
+// k_rot (SPEC §4 return_k_rot=False: no k_rot output, nothing allocated or written for it).
+// uint8 pools and a uint8 q_rot hold float8 e4m3 bits (SPEC §6).
 class RopePoolFused : public CachePrimitive {
  public:
   RopePoolFused(mx::Stream stream, RopePoolParams params,
                 std::shared_ptr<const RopeSchedule> schedule, bool check_slots, bool inplace,
-                bool q_fp8, ExtraInputs extra)
+                bool q_fp8, ExtraInputs extra, bool k_rot)
       : CachePrimitive(stream, "rope_pool_fused"), params_(params),
         schedule_(std::move(schedule)), check_slots_(check_slots), inplace_(inplace),
-        q_fp8_(q_fp8), extra_(extra) {
+        q_fp8_(q_fp8), k_rot_(k_rot), extra_(extra) {
     params_.schedule = schedule_.get();
   }
 
@@ -304,31 +305,36 @@ class RopePoolFused : public CachePrimitive {
     // On the stream's thread, the op (which validates again, now with the values: an
     // out-of-range slot throws before anything is written, and MLX raises it from the
     // evaluation).
-    dispatch(inputs, outputs, {q, k, 5, 6},
-             [params = params_, schedule = schedule_, check_slots = check_slots_,
-              extra = extra_](const Task& task) {
-               TaskViews v{task, {}};
-               RopePoolTensors t;
-               t.q = v.input(0);
-               t.k = v.input(1);
-               t.v = v.input(2);
-               t.positions = v.index(3);
-               t.slots = v.index(4);
-               t.q_out = e4m3_bits(v.output(0));
-               t.k_out = v.output(1);
-               t.k_pool = e4m3_bits(v.output(2, 5));
-               t.v_pool = e4m3_bits(v.output(3, 6));
-               RopePoolParams p = params;
-               if (extra.q_norm >= 0) p.q_norm_weight = v.input(size_t(extra.q_norm));
-               if (extra.k_norm >= 0) p.k_norm_weight = v.input(size_t(extra.k_norm));
-               QuantScale* scales[3] = {&p.k_scale, &p.v_scale, &p.q_scale};
-               for (int i = 0; i < 3; ++i)
-                 if (extra.scales[i] >= 0) scales[i]->tensor = v.input(size_t(extra.scales[i]));
-               CallOptions options;
-               options.check_slots = check_slots;
-               options.format_shape = [](Arg, const TensorView& x) { return tuple_shape(x); };
-               rope_pool_fused(t, p, options);
-             });
+    auto run = [params = params_, schedule = schedule_, check_slots = check_slots_,
+                extra = extra_, k_rot = k_rot_](const Task& task) {
+      TaskViews v{task, {}};
+      RopePoolTensors t;
+      t.q = v.input(0);
+      t.k = v.input(1);
+      t.v = v.input(2);
+      t.positions = v.index(3);
+      t.slots = v.index(4);
+      t.q_out = e4m3_bits(v.output(0));
+      // without k_rot: k_out stays empty and the pools are outputs 1 and 2
+      const size_t pools = k_rot ? 2 : 1;
+      if (k_rot) t.k_out = v.output(1);
+      t.k_pool = e4m3_bits(v.output(pools, 5));
+      t.v_pool = e4m3_bits(v.output(pools + 1, 6));
+      RopePoolParams p = params;
+      if (extra.q_norm >= 0) p.q_norm_weight = v.input(size_t(extra.q_norm));
+      if (extra.k_norm >= 0) p.k_norm_weight = v.input(size_t(extra.k_norm));
+      QuantScale* scales[3] = {&p.k_scale, &p.v_scale, &p.q_scale};
+      for (int i = 0; i < 3; ++i)
+        if (extra.scales[i] >= 0) scales[i]->tensor = v.input(size_t(extra.scales[i]));
+      CallOptions options;
+      options.check_slots = check_slots;
+      options.format_shape = [](Arg, const TensorView& x) { return tuple_shape(x); };
+      rope_pool_fused(t, p, options);
+    };
+    if (k_rot_)
+      dispatch(inputs, outputs, {q, k, 5, 6}, std::move(run));
+    else
+      dispatch(inputs, outputs, {q, 5, 6}, std::move(run));
   }
 
   const char* name() const override { return "RopePoolFused"; }
@@ -344,6 +350,7 @@ class RopePoolFused : public CachePrimitive {
            inplace_ == o.inplace_ && same_schedule(schedule_.get(), o.schedule_.get()) &&
            extra_ == o.extra_ && params_.norm_eps == o.params_.norm_eps &&
            params_.norm_style == o.params_.norm_style && q_fp8_ == o.q_fp8_ &&
+           k_rot_ == o.k_rot_ &&
            params_.kv_layout == o.params_.kv_layout &&
            params_.k_scale.value == o.params_.k_scale.value &&
            params_.v_scale.value == o.params_.v_scale.value &&
@@ -351,6 +358,7 @@ class RopePoolFused : public CachePrimitive {
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    if (!k_rot_) return {inputs[0].shape(), inputs[5].shape(), inputs[6].shape()};
     return {inputs[0].shape(), inputs[1].shape(), inputs[5].shape(), inputs[6].shape()};
   }
 
@@ -360,6 +368,7 @@ class RopePoolFused : public CachePrimitive {
   bool check_slots_;
   bool inplace_;
   bool q_fp8_;
+  bool k_rot_;  // false: no k_rot output (return_k_rot=False)
   ExtraInputs extra_;
 };
 
@@ -479,7 +488,7 @@ nb::tuple rope_pool_fused_mlx(nb::handle q, nb::handle k, nb::handle v, nb::hand
                               std::optional<double> k_scale, nb::handle k_scale_tensor,
                               std::optional<double> v_scale, nb::handle v_scale_tensor,
                               std::optional<double> q_scale, nb::handle q_scale_tensor,
-                              bool q_fp8, StreamArg stream) {
+                              bool q_fp8, bool return_k_rot, StreamArg stream) {
   constexpr const char* kOp = "rope_pool_fused";
   const nb::handle objects[7] = {q, k, v, positions, slots, k_pool, v_pool};
   std::vector<mx::array> inputs;
@@ -535,7 +544,7 @@ nb::tuple rope_pool_fused_mlx(nb::handle q, nb::handle k, nb::handle v, nb::hand
   views.v_pool = e4m3_bits(shape_view(inputs[6]));
   views.q_out = views.q;
   if (q_fp8) views.q_out.dtype = DType::Float8E4M3FN;
-  views.k_out = views.k;
+  if (return_k_rot) views.k_out = views.k;  // else empty: no k_rot (SPEC §4)
   // Validation tells a given norm weight by its data pointer (memory that is never read
   // stands in) and reads a scale array's value on the CPU (1 stands in).
   const int64_t unread[1] = {};
@@ -556,13 +565,19 @@ nb::tuple rope_pool_fused_mlx(nb::handle q, nb::handle k, nb::handle v, nb::hand
   const mx::Stream s = cpu_stream(stream, kOp);
   if (!schedule) schedule = std::make_shared<RopeSchedule>(make_rope_schedule(params));
 
+  auto primitive = std::make_shared<RopePoolFused>(s, params, std::move(schedule), check_slots,
+                                                   inplace, q_fp8, extra, return_k_rot);
+  const mx::Dtype q_rot_dtype = q_fp8 ? mx::uint8 : inputs[0].dtype();
+  if (!return_k_rot) {  // three outputs: no k_rot array at all
+    auto outputs = mx::array::make_arrays(
+        {inputs[0].shape(), inputs[5].shape(), inputs[6].shape()},
+        {q_rot_dtype, inputs[5].dtype(), inputs[6].dtype()}, std::move(primitive), inputs);
+    return nb::make_tuple(outputs[0], nb::none(), outputs[1], outputs[2]);
+  }
   auto outputs = mx::array::make_arrays(
       {inputs[0].shape(), inputs[1].shape(), inputs[5].shape(), inputs[6].shape()},
-      {q_fp8 ? mx::uint8 : inputs[0].dtype(), inputs[1].dtype(), inputs[5].dtype(),
-       inputs[6].dtype()},
-      std::make_shared<RopePoolFused>(s, params, std::move(schedule), check_slots, inplace,
-                                      q_fp8, extra),
-      inputs);
+      {q_rot_dtype, inputs[1].dtype(), inputs[5].dtype(), inputs[6].dtype()},
+      std::move(primitive), inputs);
   return nb::make_tuple(outputs[0], outputs[1], outputs[2], outputs[3]);
 }
 
@@ -676,9 +691,11 @@ NB_MODULE(_ropepool_mlx, m) {
         "mrope_section"_a = nb::none(), "mrope_interleaved"_a = false,
         "kv_layout"_a = nb::none(), "k_scale"_a = nb::none(), "k_scale_tensor"_a = nb::none(),
         "v_scale"_a = nb::none(), "v_scale_tensor"_a = nb::none(), "q_scale"_a = nb::none(),
-        "q_scale_tensor"_a = nb::none(), "q_fp8"_a = false, "stream"_a = nb::none(),
+        "q_scale_tensor"_a = nb::none(), "q_fp8"_a = false, "return_k_rot"_a = true,
+        "stream"_a = nb::none(),
         "Low-level: the MLX primitive with the keywords normalised by ropepool.mlx "
-        "(use ropepool.mlx.rope_pool_fused). Returns (q_rot, k_rot, k_pool, v_pool), lazy.");
+        "(use ropepool.mlx.rope_pool_fused). Returns (q_rot, k_rot, k_pool, v_pool), lazy; "
+        "k_rot is None with return_k_rot=False (the primitive then has no k_rot output).");
 
   m.def("mla_rope_pool_fused", &mla_rope_pool_fused_mlx, "q_pe"_a, "k_pe"_a, "kv_c"_a,
         "positions"_a, "slots"_a, "kv_cache"_a, nb::kw_only(), "rope_base"_a,

@@ -308,6 +308,95 @@ def test_hlo_shows_the_pool_aliases(rng):
                      donated), donated.splitlines()[0]
 
 
+# ---- return_k_rot=False (SPEC §4): no k_rot result, the pools as with it -------------------
+
+def skip_and_write_slots(rng, T, P):
+    """Distinct pool rows, about a quarter of the tokens (the first always) given a negative
+    slot (no pool write); the second token always writes."""
+    slots = rng.permutation(P)[:T].astype(np.int64)
+    skip = rng.random(T) < 0.25
+    skip[0], skip[1] = True, False
+    return np.where(skip, -rng.integers(1, 2**20, size=T), slots)
+
+
+def no_k_rot_case(rng, dtype, layout):
+    T, P = int(rng.integers(2, 40)), 64
+    case = new_case(rng, dtype, T=T, D=int(rng.choice([64, 128])), P=P,
+                    slots=skip_and_write_slots(rng, T, P))
+    if layout == "NHD":  # 8 pages of 8 rows
+        shape = (8, 8, case.num_kv_heads, case.head_dim)
+        case.k_pool, case.v_pool = case.k_pool.reshape(shape), case.v_pool.reshape(shape)
+        case.snapshot()
+    return case
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["fresh", "inplace"])
+@pytest.mark.parametrize("layout", [None, "NHD"], ids=["3d_pool", "NHD_pool"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_without_k_rot_equals_with_it(platform, rng, dtype, layout, inplace):
+    """Under jax.jit: k_rot is None, q_rot and every element of both pools bit for bit the
+    same call's with k_rot; the caller's arrays (not donated) keep their values."""
+    case = no_k_rot_case(rng, dtype, layout)
+    kw = keywords(case, kv_layout=layout, inplace=inplace)
+    want = jax.jit(functools.partial(rj.rope_pool_fused, **kw))(*jax_args(case, platform))
+    args = jax_args(case, platform)
+    got = jax.jit(functools.partial(rj.rope_pool_fused, **kw, return_k_rot=False))(*args)
+    assert len(got) == 4 and got[1] is None
+    assert_same([got[i] for i in (0, 2, 3)], [want[i] for i in (0, 2, 3)],
+                names=("q_rot", "k_pool", "v_pool"))
+    assert not np.array_equal(bits(got[2]), case.before["k_pool"])  # (the pools were written)
+    for name, x in zip(("q", "k", "v", "positions", "slots", "k_pool", "v_pool"), args):
+        np.testing.assert_array_equal(bits(x), case.before[name], err_msg=f"{name} changed")
+
+
+def test_without_k_rot_donation_and_hlo(rng):
+    """The call without k_rot is its own custom call with three results (q_rot and the
+    aliased pools: no k_rot buffer); with inplace=True q is aliased to q_rot and k is only
+    read, so donating q and the pools writes the caller's buffers and k keeps its values."""
+    case = no_k_rot_case(rng, "bfloat16", None)
+    T, D = case.q.shape[0], case.head_dim
+    args = jax_args(case, "cpu")
+    f = functools.partial(rj.rope_pool_fused, **keywords(case, inplace=True), return_k_rot=False)
+    lowered = jax.jit(f).lower(*args)
+    assert re.search(r"stablehlo\.custom_call @ropepool_rope_pool_fused_no_k_rot\(",
+                     lowered.as_text())
+    compiled = lowered.compile().as_text()
+    assert "output_to_operand_aliasing={{0}: (0, {}), {1}: (5, {}), {2}: (6, {})}" in compiled
+    call = next(line for line in compiled.splitlines()
+                if 'custom_call_target="ropepool_rope_pool_fused_no_k_rot"' in line)
+    results = call.split("custom-call(")[0]
+    assert re.findall(r"bf16\[[\d,]*\]", results) == [
+        f"bf16[{T},8,{D}]", f"bf16[64,2,{D}]", f"bf16[64,2,{D}]"], call
+    with pytest.warns(UserWarning, match="donated buffers were not usable"):
+        # (k donated too: XLA has no result for it, so it is not taken)
+        jax.jit(f, donate_argnums=(1,)).lower(*args).compile()
+
+    want = jax.jit(functools.partial(rj.rope_pool_fused, **keywords(case, inplace=True)))(
+        *jax_args(case, "cpu"))
+    ptrs = [args[i].unsafe_buffer_pointer() for i in (0, 5, 6)]
+    got = jax.jit(f, donate_argnums=(0, 5, 6))(*args)
+    jax.block_until_ready(got)
+    assert got[1] is None
+    assert [got[i].unsafe_buffer_pointer() for i in (0, 2, 3)] == ptrs, "a buffer was copied"
+    assert args[0].is_deleted() and args[5].is_deleted() and args[6].is_deleted()
+    np.testing.assert_array_equal(bits(args[1]), case.before["k"], err_msg="k changed")
+    assert_same([got[i] for i in (0, 2, 3)], [want[i] for i in (0, 2, 3)],
+                names=("q_rot", "k_pool", "v_pool"))
+
+
+def test_without_k_rot_at_trace_time():
+    """k is still validated (it is read); the traced result has no k_rot; JAX has no k_out
+    keyword, so nothing conflicts with return_k_rot=False."""
+    out = traced(return_k_rot=False)
+    assert out[1] is None and out[0].shape == (2, 8, 128) and out[2].shape == (16, 2, 128)
+    for changes in ({"k": ((2, 3, 128), "float32")}, {"k": ((2, 2, 128), "float16")}):
+        with pytest.raises(ValueError) as want:
+            traced(changes)
+        with pytest.raises(ValueError) as got:
+            traced(changes, return_k_rot=False)
+        assert str(got.value) == str(want.value)
+
+
 # ---- validation at trace time (SPEC §2) ------------------------------------------------------
 
 def spec(shape, dtype="float32"):

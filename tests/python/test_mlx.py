@@ -254,6 +254,116 @@ def test_mx_compile(rng):
         mx.eval(*bad)
 
 
+# ---- return_k_rot=False (SPEC §4): no k_rot output, the pools as with it -------------------
+
+def skip_and_write_slots(rng, T, P):
+    """Distinct pool rows, about a quarter of the tokens (the first always) given a negative
+    slot (no pool write); the second token always writes."""
+    slots = rng.permutation(P)[:T].astype(np.int64)
+    skip = rng.random(T) < 0.25
+    skip[0], skip[1] = True, False
+    return torch.from_numpy(np.where(skip, -rng.integers(1, 2**20, size=T), slots))
+
+
+def no_k_rot_case(rng, dtype, layout):
+    T, P = int(rng.integers(2, 40)), 64
+    tdt = TORCH_DTYPES[dtype]
+    q = torch.from_numpy(random_values(rng, (T, 4, 16))).to(tdt)
+    k = torch.from_numpy(random_values(rng, (T, 2, 16))).to(tdt)
+    v = torch.from_numpy(random_values(rng, (T, 2, 16))).to(tdt)
+    pos = torch.from_numpy(random_positions(rng, T)).to(torch.int32)
+    slots = skip_and_write_slots(rng, T, P).to(torch.int32)
+    pool = (P, 2, 16) if layout is None else (8, 8, 2, 16)  # NHD: 8 pages of 8 rows
+    kp = torch.from_numpy(random_values(rng, pool)).to(tdt)
+    vp = torch.from_numpy(random_values(rng, pool)).to(tdt)
+    return q, k, v, pos, slots, kp, vp
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["fresh", "inplace"])
+@pytest.mark.parametrize("layout", [None, "NHD"], ids=["3d_pool", "NHD_pool"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_without_k_rot_equals_with_it(rng, dtype, layout, inplace):
+    """k_rot is None; q_rot and every element of both pools have the bits of the same call
+    with k_rot. Each call gets arrays nothing else references (donated pools, and q and k
+    with inplace) except k, which keeps its values."""
+    args = no_k_rot_case(rng, dtype, layout)
+    kw = dict(KW, kv_layout=layout, inplace=inplace)
+    want = rmlx.rope_pool_fused(*(to_mx(a) for a in args), **kw)
+    mx.eval(*want)
+    mk = to_mx(args[1])
+    mx.eval(mk)
+    k_at = address(mk.view({2: mx.int16, 4: mx.int32}[mk.itemsize]))  # (no bfloat16 in NumPy)
+    got = rmlx.rope_pool_fused(*(to_mx(a) if i != 1 else mk for i, a in enumerate(args)), **kw,
+                               return_k_rot=False)
+    assert len(got) == 4 and got[1] is None
+    mx.eval(got[0], got[2], got[3])
+    for name, g, w in zip(("q_rot", "k_pool", "v_pool"), (got[0], *got[2:]), (want[0], *want[2:])):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        np.testing.assert_array_equal(bits(g), bits(w), err_msg=name)
+    assert not np.array_equal(bits(got[2]), torch_bits(args[5]))  # (the pools were written)
+    np.testing.assert_array_equal(bits(mk), torch_bits(args[1]), err_msg="k changed")
+    assert address(mk.view({2: mx.int16, 4: mx.int32}[mk.itemsize])) == k_at
+
+
+def test_without_k_rot_donation_and_outputs(rng, tmp_path):
+    """The primitive has three outputs (q_rot and the pools: no k_rot array); with
+    inplace=True q_rot takes over q's buffer and the pools theirs, k is never given away."""
+    args = no_k_rot_case(rng, "float16", None)
+    want = rmlx.rope_pool_fused(*(to_mx(a) for a in args), **KW, inplace=True)
+    mx.eval(*want)
+    q, k, v, pos, slots, kp, vp = (to_mx(a) for a in args)
+    mx.eval(q, k, v, pos, slots, kp, vp)
+    at = address(q), address(kp), address(vp)
+    q_rot, none, kp2, vp2 = rmlx.rope_pool_fused(q, k, v, pos, slots, kp, vp, **KW, inplace=True,
+                                                 return_k_rot=False)
+    assert none is None
+    dot = tmp_path / "graph.dot"
+    mx.export_to_dot(str(dot), q_rot)
+    graph = dot.read_text()
+    assert graph.count("RopePoolFused") == 1
+    # (every output of the node is drawn as an array fed by it: three, not four)
+    node = re.search(r"(\w+) \[label =\s*\"RopePoolFused\"", graph)
+    assert node, graph
+    assert len(re.findall(rf"^\s*{node.group(1)} -> ", graph, re.M)) == 3, graph
+    del q, kp, vp
+    mx.eval(q_rot, kp2, vp2)
+    assert (address(q_rot), address(kp2), address(vp2)) == at
+    for name, g, w in zip(("q_rot", "k_pool", "v_pool"), (q_rot, kp2, vp2), (want[0], *want[2:])):
+        np.testing.assert_array_equal(bits(g), bits(w), err_msg=name)
+    np.testing.assert_array_equal(bits(k), torch_bits(args[1]), err_msg="k changed")
+
+
+def test_without_k_rot_under_mx_compile(rng):
+    """mx.compile traces the three-output primitive: the same bits as eager."""
+    args = no_k_rot_case(rng, "float32", "NHD")
+
+    @mx.compile
+    def step(q, k, v, pos, slots, kp, vp):
+        q_rot, none, kp, vp = rmlx.rope_pool_fused(q, k, v, pos, slots, kp, vp, **KW,
+                                                   kv_layout="NHD", return_k_rot=False)
+        assert none is None
+        return q_rot * 2, kp, vp
+
+    got = step(*(to_mx(a) for a in args))
+    want = rmlx.rope_pool_fused(*(to_mx(a) for a in args), **KW, kv_layout="NHD")
+    np.testing.assert_array_equal(np.array(got[0]), np.array(want[0] * 2))
+    np.testing.assert_array_equal(bits(got[1]), bits(want[2]))
+    np.testing.assert_array_equal(bits(got[2]), bits(want[3]))
+
+
+def test_without_k_rot_validates_k():
+    """k is still validated (it is read), with the same messages; MLX has no k_out keyword,
+    so nothing conflicts with return_k_rot=False."""
+    for i, bad in ((1, mx.zeros((2, 3, 16))), (1, mx.zeros((2, 2, 16), dtype=mx.float16))):
+        a = _args()
+        a[i] = bad
+        with pytest.raises(ValueError) as want:
+            rmlx.rope_pool_fused(*a, **KW)
+        with pytest.raises(ValueError) as got:
+            rmlx.rope_pool_fused(*a, **KW, return_k_rot=False)
+        assert str(got.value) == str(want.value)
+
+
 def test_gradients_raise():
     q = mx.ones((1, 4, 16))
     k = mx.ones((1, 2, 16))
