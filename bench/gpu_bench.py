@@ -47,17 +47,20 @@ Cache formats (SPEC §6, --caches, on by default): the same cold inputs written 
 caches engines deploy, each against the plain bf16 [P, Hk, D] pool in the same run, by
 their own bytes (every tensor at its element size): fp8 e4m3 pools with tensor scales,
 FlashInfer-style combined paged caches [pages, 2, page_size, Hk, D] (NHD) and
-[pages, 2, Hk, page_size, D] (HND) at page sizes 1, 16 and 64, fp8 HND, and fp8 q_rot; PyTorch
-eager and torch.compile of the same math (rotation, e4m3 quantisation, paged index_put_)
-for the fp8 NHD cache. Each variant is checked against the plain bf16 result first (and no
-pool row the slots do not name may change).
+[pages, 2, Hk, page_size, D] (HND) at page sizes 1, 16 and 64, fp8 HND, and fp8 q_rot; two of
+them also with return_k_rot=False (no k_rot written or returned: "bf16 [P,Hk,D], no k_rot" and
+"fp8 NHD 16, fp8 q, no k_rot", by their bytes without k_rot); PyTorch eager and torch.compile
+of the same math (rotation, e4m3 quantisation, paged index_put_) for the fp8 NHD cache. Each
+variant is checked against the plain bf16 result first (its pool rows against the plain
+call's k_rot even where it writes none, and no pool row the slots do not name may change).
 
 FlashInfer in the cache section (optional: where `import flashinfer` works, else the output
 says why and the rest runs as before; --no-flashinfer leaves it out): its compositions that
 write the same caches, on the same input sets and slots, after ropepool's variants at each T,
 in the three modes, beside the ropepool variant each stands for (the ratio of the times is
 the caches issue's target, <= 0.9): its fused rope_quantize_fp8_append_paged_kv_cache (PDL
-on; fp8 q_rot, fp8 k/v rows, no k_rot) beside "fp8 NHD 16, fp8 q"; apply_rope_with_cos_sin_cache
+on; fp8 q_rot, fp8 k/v rows, no k_rot) beside "fp8 NHD 16, fp8 q, no k_rot" (ropepool with
+return_k_rot=False: the same outputs, so like for like); apply_rope_with_cos_sin_cache
 (bf16 q_rot, k_rot) then that fused kernel with no q heads, beside "fp8 NHD 16";
 apply_rope_with_cos_sin_cache then append_paged_kv_cache, beside "NHD page 16". Its float32
 cos/sin cache is made from float64 angles for positions below 2^17; page size 16, one request
@@ -430,12 +433,16 @@ def copy_seconds(n, reps, warmup):
 # --- cache formats (SPEC §6) -------------------------------------------------------------------
 
 FP8 = torch.float8_e4m3fn
-# name, kv_layout, page_size, fp8 pools, fp8 q_rot[, (k_scale, v_scale, q_scale)]: the fp8
-# scales are 0.5 / 0.25 / 0.5 (powers of two, as FlashInfer's rows beside them take 0.5) unless
-# given; the last two rows time the same formats with scales that are not powers of two, whose
-# division takes two Newton steps more per element.
+# name, kv_layout, page_size, fp8 pools, fp8 q_rot[, (k_scale, v_scale, q_scale) or None[,
+# k_rot]]: the fp8 scales are 0.5 / 0.25 / 0.5 (powers of two, as FlashInfer's rows beside them
+# take 0.5) unless given; the last two rows time the same formats with scales that are not
+# powers of two, whose division takes two Newton steps more per element. k_rot False: the call
+# passes return_k_rot=False (SPEC §4: k_rot neither written nor returned), each such row after
+# the same format with k_rot; "fp8 NHD 16, fp8 q, no k_rot" writes what FlashInfer's fused
+# kernel writes (its peer in FLASHINFER_VARIANTS).
 CACHE_VARIANTS = (
     ("bf16 [P,Hk,D]", None, 1, False, False),
+    ("bf16 [P,Hk,D], no k_rot", None, 1, False, False, None, False),
     ("fp8 [P,Hk,D]", None, 1, True, False),
     ("NHD page 1", "NHD", 1, False, False),
     ("NHD page 16", "NHD", 16, False, False),
@@ -445,6 +452,7 @@ CACHE_VARIANTS = (
     ("fp8 NHD 16", "NHD", 16, True, False),
     ("fp8 HND 16", "HND", 16, True, False),
     ("fp8 NHD 16, fp8 q", "NHD", 16, True, True),
+    ("fp8 NHD 16, fp8 q, no k_rot", "NHD", 16, True, True, None, False),
     ("fp8 NHD 16, scales 0.37", "NHD", 16, True, False, (0.37, 0.37, 0.37)),
     ("fp8 NHD 16, fp8 q, scales 0.37", "NHD", 16, True, True, (0.37, 0.37, 0.37)),
 )
@@ -452,16 +460,20 @@ CACHE_VARIANTS = (
 
 class CacheVariant:
     """The pools of one cache format over the workload's P slots: a plain [P, Hk, D] pair, or
-    the K and V halves of one FlashInfer-style combined paged cache."""
+    the K and V halves of one FlashInfer-style combined paged cache; k_rot False: calls with
+    return_k_rot=False."""
 
     def __init__(self, spec, w, gen):
         self.name, self.layout, self.page_size, self.fp8, self.q8 = spec[:5]
-        k_scale, v_scale, q_scale = spec[5] if len(spec) > 5 else (0.5, 0.25, 0.5)
+        scales = spec[5] if len(spec) > 5 else None
+        k_scale, v_scale, q_scale = scales if scales is not None else (0.5, 0.25, 0.5)
+        self.k_rot = spec[6] if len(spec) > 6 else True
         P, Hk, D = w.P, w.shape["num_kv_heads"], w.shape["head_dim"]
         pool_dtype = FP8 if self.fp8 else w.dtype
+        dev = w.device
 
         def fill(*shape):
-            return (torch.rand(*shape, generator=gen, device="cuda") * 8 - 4).to(pool_dtype)
+            return (torch.rand(*shape, generator=gen, device=dev) * 8 - 4).to(pool_dtype)
 
         pages, ps = P // self.page_size, self.page_size
         if self.layout is None:
@@ -476,17 +488,21 @@ class CacheVariant:
         if self.layout is not None:
             self.kwargs["kv_layout"] = self.layout
         if self.fp8:
-            self.k_scale = torch.tensor([k_scale], device="cuda")
-            self.v_scale = torch.tensor([v_scale], device="cuda")
+            self.k_scale = torch.tensor([k_scale], device=dev)
+            self.v_scale = torch.tensor([v_scale], device=dev)
             self.kwargs.update(k_scale=self.k_scale, v_scale=self.v_scale)
         if self.q8:
-            self.q_scale = torch.tensor([q_scale], device="cuda")
+            self.q_scale = torch.tensor([q_scale], device=dev)
             self.kwargs.update(q_out_dtype=FP8, q_scale=self.q_scale)
+        if not self.k_rot:
+            self.kwargs["return_k_rot"] = False
         es = torch.tensor([], dtype=w.dtype).element_size()
         Hq, T = w.shape["num_qo_heads"], w.T
         pool_es, q_out_es = (1 if self.fp8 else es), (1 if self.q8 else es)
-        # q, k, v read; q_rot, k_rot written; a k and a v pool row written per token
-        self.bytes = T * D * (es * (Hq + 2 * Hk) + q_out_es * Hq + es * Hk + 2 * pool_es * Hk) + 8 * T
+        k_rot_es = es if self.k_rot else 0
+        # q, k, v read; q_rot, k_rot (with k_rot) written; a k and a v pool row written per token
+        self.bytes = (T * D * (es * (Hq + 2 * Hk) + q_out_es * Hq + k_rot_es * Hk + 2 * pool_es * Hk)
+                      + 8 * T)
 
     def call(self, q, k, v, positions, slots, *_pools):
         return ropepool.rope_pool_fused(q, k, v, positions, slots, self.k_pool, self.v_pool,
@@ -552,14 +568,20 @@ def written_rows_problems(k_rows, v_rows, k_want, v, fp8_scales=None):
 
 
 def check_cache_variant(var, w):
-    """The variant's outputs on set 0 against the plain bf16 call's: problems (a list)."""
+    """The variant's outputs on set 0 against the plain bf16 call's: problems (a list). Without
+    k_rot (return_k_rot=False) the result's k_rot must be None, and the pool rows are checked
+    against the plain call's k_rot all the same (SPEC §4: the pools receive what they do with
+    k_rot)."""
     a = w.args_of(0)
     q_ref, k_ref = ropepool.rope_pool_fused(*a, **w.shape)[:2]
     before = other_rows(var, a[4])
     q_rot, k_rot = var.call(*a)[:2]
     k_rows, v_rows = var.rows(a[4])
     problems = other_rows_problems(var, a[4], before)
-    if not torch.equal(k_rot, k_ref):
+    if not var.k_rot:
+        if k_rot is not None:
+            problems.append("a k_rot returned with return_k_rot=False")
+    elif not torch.equal(k_rot, k_ref):
         problems.append("k_rot differs from the plain call's")
     if var.q8:
         problems += fp8_q_problems(q_rot, q_ref, var.q_scale)
@@ -668,14 +690,16 @@ def flashinfer_cos_sin_cache(inv_freq64, rows, attention_scaling=1.0):
 
 # name, what runs, the CACHE_VARIANTS entry it stands beside. FlashInfer 0.7's fused kernel
 # (rope_quantize_fp8_append_paged_kv_cache) writes q_rot in fp8 only and no k_rot:
-#   "fused"        that one call (PDL on): fp8 q_rot, fp8 k and v rows
+#   "fused"        that one call (PDL on): fp8 q_rot, fp8 k and v rows, no k_rot; beside
+#                  ropepool's return_k_rot=False row, which writes exactly these (the same data
+#                  bytes: FlashInfer's count adds only its cos/sin rows and page tables)
 #   "rope+fused"   apply_rope_with_cos_sin_cache (bf16 q_rot, k_rot), then the fused kernel with
 #                  no q heads (q[:, :0]; PDL on) for the fp8 k and v rows: ropepool's outputs
 #   "rope+append"  apply_rope_with_cos_sin_cache, then append_paged_kv_cache (bf16 cache)
 FLASHINFER_VARIANTS = (
     ("FlashInfer NHD 16", "rope+append", "NHD page 16"),
     ("FlashInfer fp8 NHD 16", "rope+fused", "fp8 NHD 16"),
-    ("FlashInfer fp8 NHD 16, fp8 q", "fused", "fp8 NHD 16, fp8 q"),
+    ("FlashInfer fp8 NHD 16, fp8 q", "fused", "fp8 NHD 16, fp8 q, no k_rot"),
 )
 
 
@@ -781,13 +805,13 @@ def print_flashinfer_table(rows, version):
           "fp8 scales 0.5): GPU us per call (call / b2b / graph), % of the copy ceiling by its own "
           "bytes, and ropepool's time over FlashInfer's (the caches issue's target: <= 0.9)")
     print(f"{'T':>6} {'FlashInfer':<30} {'call':>8} {'b2b':>8} {'graph':>8} {'%copy b2b':>9} | "
-          f"{'ropepool':<18} {'call':>8} {'b2b':>8} {'graph':>8} | {'ratio call / b2b / graph':>24}  check")
+          f"{'ropepool':<28} {'call':>8} {'b2b':>8} {'graph':>8} | {'ratio call / b2b / graph':>24}  check")
     for r in rows:
         def f(key, fmt="{:.2f}"):
             return fmt.format(r[key]) if key in r else "-"
         ratio = " / ".join(f(f"ratio_{m}") for m in MODES)
         print(f"{r['T']:>6} {r['variant']:<30} {f('flashinfer_call_us'):>8} {f('flashinfer_b2b_us'):>8} "
-              f"{f('flashinfer_graph_us'):>8} {f('pct_copy_b2b', '{:.1f}'):>9} | {r['peer']:<18} "
+              f"{f('flashinfer_graph_us'):>8} {f('pct_copy_b2b', '{:.1f}'):>9} | {r['peer']:<28} "
               f"{f('ropepool_call_us'):>8} {f('ropepool_b2b_us'):>8} {f('ropepool_graph_us'):>8} | "
               f"{ratio:>24}  {'; '.join(r['problems']) or 'ok'}")
 

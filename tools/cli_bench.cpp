@@ -46,6 +46,7 @@ struct BenchConfig {
   DType q_out_dtype = DType::Other;  // Other: dtype
   KvLayout kv_layout = KvLayout::None;
   int64_t page_size = 1;
+  bool k_rot = true;  // false: k_out left empty, no k_rot written (SPEC §4 return_k_rot=False)
   double fp8_scale = 0.015625;  // k/v/q scale of fp8 runs (default 1/64, a power of two)
   // SPEC §7: --qk-norm (q and k weights in the input dtype, Qwen3's "rms" style) and
   // --mrope (positions [3, T], Qwen2-VL's sections scaled to head_dim).
@@ -125,12 +126,13 @@ struct InputSet {
 };
 
 // One cache format of a run (SPEC §6): every combination of the --pool-dtype, --q-out-dtype,
-// --kv-layout and --page-size lists.
+// --kv-layout, --page-size and --k-rot lists.
 struct Format {
   DType pool_dtype = DType::Other;   // as resolved: --dtype for `same`, or float8_e4m3fn
   DType q_out_dtype = DType::Other;  // likewise
   KvLayout kv_layout = KvLayout::None;
   int64_t page_size = 1;             // 1 for a [P, Hk, D] pool
+  bool k_rot = true;                 // false: no k_rot (SPEC §4 return_k_rot=False)
 };
 
 struct TokenResult {
@@ -171,11 +173,13 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
   TokenResult r;
   r.tokens = T;
   r.pool_slots = (std::max(cfg.min_pool_slots, 4 * T) + ps - 1) / ps * ps;
-  // every tensor at its own element size: q, k, v read; q_rot, k_rot, k/v pool rows written;
-  // positions ([3, T] with --mrope), slots and the two norm weights (--qk-norm)
+  // every tensor at its own element size: q, k, v read; q_rot, k_rot (not with --k-rot no),
+  // k/v pool rows written; positions ([3, T] with --mrope), slots and the two norm weights
+  // (--qk-norm)
+  const int64_t k_rot_heads = cfg.k_rot ? Hk : 0;
   r.bytes_per_call = double(T) * double(D) *
-                         double(int64_t(es) * (Hq + 3 * Hk) + int64_t(q_out_es) * Hq +
-                                2 * int64_t(pool_es) * Hk) +
+                         double(int64_t(es) * (Hq + 2 * Hk + k_rot_heads) +
+                                int64_t(q_out_es) * Hq + 2 * int64_t(pool_es) * Hk) +
                      double(T * (position_rows + 1) * int64_t(is)) +
                      (cfg.qk_norm ? double(2 * D * int64_t(es)) : 0);
   const size_t set_bytes =
@@ -204,6 +208,12 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
     return TensorView::contiguous(b.data(), pd, {P, Hk, D});
   };
   const TensorView k_pool_view = pool_view(k_pool), v_pool_view = pool_view(v_pool);
+  // --k-rot no: the timed calls leave k_out empty (SPEC §4 return_k_rot=False). k_out still
+  // has a buffer per set, written only by the check's companion call: the same inputs with
+  // k_rot and every slot -1 (no pool write), whose k_rot is checked against the reference
+  // and which the pool rows of the call without k_rot must match as they match k_rot.
+  HostBuffer no_slots("slots all -1", cfg.index_dtype, T, 0);
+  std::memset(no_slots.base(), 0xff, no_slots.bytes());  // -1 in int32 and int64
   const bool fp8_pool = pd == DType::Float8E4M3FN, fp8_q = cfg.q_out_dtype == DType::Float8E4M3FN;
   const float scale = float(cfg.fp8_scale);
   // A written pool row (slot) against token t of an input set: q's dtype: bit-identical to
@@ -287,7 +297,7 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
     tv.k = in.k->contiguous({T, Hk, D});
     tv.v = in.v->contiguous({T, Hk, D});
     tv.q_out = in.q_out->contiguous({T, Hq, D});
-    tv.k_out = in.k_out->contiguous({T, Hk, D});
+    tv.k_out = in.k_out->contiguous({T, Hk, D});  // emptied after the check with --k-rot no
     tv.positions = cfg.mrope ? in.positions->contiguous({3, T}) : in.positions->contiguous({T});
     tv.slots = in.slots->contiguous({T});
     tv.k_pool = k_pool_view;
@@ -296,6 +306,7 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
 
   // First call of every set: check every q_out/k_out element against the float64
   // reference and every written pool row bit for bit; remember who wrote each row last.
+  // --k-rot no: the first call writes no k_rot; the companion call (above) writes k_out.
   std::fprintf(stderr,
                "%s T=%lld: first call of each set, checking against the float64 reference\n",
                stage_prefix, (long long)T);
@@ -303,7 +314,13 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
   std::vector<std::pair<int32_t, int64_t>> last_writer(size_t(P), {-1, -1});  // (set, token)
   for (size_t s = 0; s < sets.size(); ++s) {
     const RopePoolTensors& tv = sets[s].tensors;
-    rope_pool_fused(tv, p);
+    if (cfg.k_rot) {
+      rope_pool_fused(tv, p);
+    } else {
+      RopePoolTensors no_k_rot = tv;
+      no_k_rot.k_out = TensorView{};
+      rope_pool_fused(no_k_rot, p);
+    }
     RotationCheck how;
     how.threads = threads;
     how.norm_eps = p.norm_eps.value_or(1e-6);
@@ -312,6 +329,12 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
                                             p.interleaved, scale)
                           : check_rotation("q_out", tv.q, tv.q_out, tv.positions, schedule,
                                            p.interleaved, how));
+    if (!cfg.k_rot) {
+      // The companion call: k_rot and no pool row (q_out written again, already checked).
+      RopePoolTensors companion = tv;
+      companion.slots = no_slots.contiguous({T});
+      rope_pool_fused(companion, p);
+    }
     if (cfg.qk_norm) how.norm_weight = &k_norm_view;
     r.k_check.merge(check_rotation("k_out", tv.k, tv.k_out, tv.positions, schedule, p.interleaved, how));
     for (int64_t t = 0; t < T; ++t) {
@@ -322,7 +345,8 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
       if (!pool_row_ok(tv, slot, t))
         r.pool_check.fail(slot, [&] {
           return "set " + std::to_string(s) + ": pool row " + std::to_string(slot) +
-                 " differs from k_out/v of token " + std::to_string(t);
+                 " differs from " + (cfg.k_rot ? "k_out" : "k_rot (of a call with k_rot)") +
+                 "/v of token " + std::to_string(t);
         });
       last_writer[size_t(slot)] = {int32_t(s), t};
     }
@@ -386,6 +410,8 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
   // Timing: sets in turn, one sample per call; --iters calls, or as many as fit in
   // --seconds (at least 10).
   std::fprintf(stderr, "%s T=%lld: verified; timing\n", stage_prefix, (long long)T);
+  if (!cfg.k_rot)
+    for (InputSet& in : sets) in.tensors.k_out = TensorView{};  // no k_rot from here on
   for (size_t s = 0; s < sets.size() && s < 3; ++s) rope_pool_fused(sets[s].tensors, p);  // warm-up
   std::vector<double> samples;
   const auto timing_start = Clock::now();
@@ -410,6 +436,7 @@ BenchConfig with_format(const BenchConfig& base, const Format& f) {
   cfg.q_out_dtype = f.q_out_dtype;
   cfg.kv_layout = f.kv_layout;
   cfg.page_size = f.page_size;
+  cfg.k_rot = f.k_rot;
   cfg.params.kv_layout = f.kv_layout;
   std::optional<double> pool_scale, q_scale;  // SPEC §6: a scale only with an fp8 tensor
   if (f.pool_dtype == DType::Float8E4M3FN) pool_scale = cfg.fp8_scale;
@@ -464,7 +491,8 @@ void write_json(const BenchConfig& cfg, const CopyResult& copy_before, const Cop
   for (size_t i = 0; i < rs.size(); ++i) {
     const TokenResult& r = rs[i];
     f << (i ? ",\n" : "\n") << "    {\"pool_dtype\": \"" << dtype_name(r.format.pool_dtype)
-      << "\", \"q_out_dtype\": \"" << dtype_name(r.format.q_out_dtype) << "\", \"kv_layout\": \""
+      << "\", \"q_out_dtype\": \"" << dtype_name(r.format.q_out_dtype)
+      << "\", \"k_rot\": " << (r.format.k_rot ? "true" : "false") << ", \"kv_layout\": \""
       << kv_layout_name(r.format.kv_layout) << "\", \"page_size\": " << r.format.page_size
       << ", \"tokens\": " << r.tokens
       << ", \"pool_slots\": " << r.pool_slots << ", \"input_sets\": " << r.sets
@@ -490,7 +518,10 @@ const char* bench_help() {
 Times rope_pool_fused on the CPU for several token counts. Every input set's first call is
 checked against the float64 reference (every q_out/k_out element within the SPEC §1 bound,
 every written pool row bit-identical to k_out/v, every other pool row unchanged) before it
-is timed; a token count that fails is reported and not timed (exit status 1).
+is timed; a token count that fails is reported and not timed (exit status 1). With
+--k-rot no the call writes no k_rot (k_out left empty); its pool rows are checked against
+the k_out of a second call with k_rot and every slot -1 (no pool write), itself checked
+against the reference.
 
 Default workload: Llama-3-8B attention (num_qo_heads 32, num_kv_heads 8, head_dim 128,
 rope_base 500000), bfloat16, int32 positions/slots, T in 1,16,256,4096,32768, a pool of
@@ -502,7 +533,8 @@ Reported per T: median call time with p10/p90, GB/s with
           + 2*pool_es*num_kv_heads) + T*(positions + slots)
 (q, k, v read; q_rot, k_rot, k_pool, v_pool rows written; each tensor at its element size:
 es = --dtype, pool_es = 1 with --pool-dtype fp8, q_rot_es = 1 with --q-out-dtype fp8; without
-them 2*num_qo_heads + 5*num_kv_heads rows of es), and the ratio to the memcpy
+them 2*num_qo_heads + 5*num_kv_heads rows of es; --k-rot no: num_kv_heads rows of es fewer,
+no k_rot written), and the ratio to the memcpy
 bandwidth measured in the same run (a multithreaded memcpy of a buffer much larger than L3,
 over the same number of threads; bytes = read + written; median of several copies; measured
 before and after the op, the faster of the two counts). Progress goes to stderr, the table
@@ -531,12 +563,15 @@ options:
                      of multiplying by its reciprocal)
   --kv-layout L      none (default: [P, Hk, D] pools), NHD or HND (paged, SPEC §6)
   --page-size N      slots per page with --kv-layout NHD/HND (default 16)
-                     --pool-dtype, --q-out-dtype, --kv-layout and --page-size take comma
-                     lists: every combination is a cache format of the run (a 3-D pool takes
-                     no page size), each token count times them one after the other against
-                     the same memcpy anchor, and each row also gives its share of memcpy over
-                     the first format's at that T, e.g.
+  --k-rot K          yes (default: k_rot written to k_out) or no (k_out left empty, SPEC §4
+                     return_k_rot=False: only q_rot and the pools are written)
+                     --pool-dtype, --q-out-dtype, --kv-layout, --page-size and --k-rot take
+                     comma lists: every combination is a cache format of the run (a 3-D pool
+                     takes no page size), each token count times them one after the other
+                     against the same memcpy anchor, and each row also gives its share of
+                     memcpy over the first format's at that T, e.g.
                      --pool-dtype same,fp8 --kv-layout none,NHD,HND --page-size 1,16,64
+                     --k-rot yes,no
   --rounds N         time each token count's formats N times in turn, each time for
                      1/N of --seconds (or --iters), pooling the samples (default 1), so that
                      a machine whose load drifts affects every format alike
@@ -571,6 +606,7 @@ int run_bench(Args& args) {
   std::vector<int64_t> page_sizes;  // empty: not given
   std::vector<DType> pool_dtypes = {DType::Other}, q_out_dtypes = {DType::Other};
   std::vector<KvLayout> kv_layouts = {KvLayout::None};
+  std::vector<bool> k_rots = {true};
   int64_t rounds = 1;
   bool fp8_scale_given = false;
   while (!args.done()) {
@@ -624,6 +660,12 @@ int run_bench(Args& args) {
             if (v == "fp8" || v == "float8_e4m3fn") return DType::Float8E4M3FN;
             throw UsageError{o + " must be same or fp8 (or a list of them), got '" + v + "'"};
           });
+    } else if (o == "--k-rot") {
+      k_rots = parse_list(o, args.value(o), [&](const std::string& v) {
+        if (v == "yes") return true;
+        if (v == "no") return false;
+        throw UsageError{"--k-rot must be yes or no (or a list of them), got '" + v + "'"};
+      });
     } else if (o == "--pool-slots") {
       cfg.min_pool_slots = parse_int(o, args.value(o), 1);
     } else if (o == "--rounds") {
@@ -658,14 +700,16 @@ int run_bench(Args& args) {
   if (cfg.qk_norm && any_fp8)
     throw UsageError{"--qk-norm with fp8 pools or q_rot: the bench cannot verify that yet"};
   if (page_sizes.empty()) page_sizes = {16};
-  // Every combination, in the order of the lists (a 3-D pool takes no page size).
+  // Every combination, in the order of the lists (a 3-D pool takes no page size); --k-rot
+  // innermost, so a format's rows with and without k_rot are neighbours.
   std::vector<Format> formats;
   for (DType pool : pool_dtypes)
     for (DType q_out : q_out_dtypes)
       for (KvLayout layout : kv_layouts)
         for (int64_t page : layout == KvLayout::None ? std::vector<int64_t>{1} : page_sizes)
-          formats.push_back({pool == DType::Other ? cfg.dtype : pool,
-                             q_out == DType::Other ? cfg.dtype : q_out, layout, page});
+          for (bool k_rot : k_rots)
+            formats.push_back({pool == DType::Other ? cfg.dtype : pool,
+                               q_out == DType::Other ? cfg.dtype : q_out, layout, page, k_rot});
   cfg = with_format(cfg, formats.front());  // the header's settings with one format
   set_cpu_num_threads(cfg.threads);
   detail::cpu::set_stream_min_bytes(cfg.stream_min_mib < 0 ? -1 : cfg.stream_min_mib << 20);
@@ -697,11 +741,12 @@ int run_bench(Args& args) {
       dtype_name(cfg.index_dtype),
       int(std::log2(double(cfg.max_position))), cfg.skip_fraction * 100);
   if (formats.size() == 1)
-    std::printf("pools: %s, kv_layout %s, page_size %lld; q_rot %s", dtype_name(cfg.pool_dtype),
-                kv_layout_name(cfg.kv_layout), (long long)cfg.page_size, dtype_name(cfg.q_out_dtype));
+    std::printf("pools: %s, kv_layout %s, page_size %lld; q_rot %s%s", dtype_name(cfg.pool_dtype),
+                kv_layout_name(cfg.kv_layout), (long long)cfg.page_size, dtype_name(cfg.q_out_dtype),
+                cfg.k_rot ? "" : "; no k_rot (return_k_rot=False)");
   else
-    std::printf("%zu cache formats (pools, q_rot, kv_layout, page_size), each token count timing "
-                "them in turn%s",
+    std::printf("%zu cache formats (pools, q_rot, k_rot, kv_layout, page_size), each token count "
+                "timing them in turn%s",
                 formats.size(), rounds > 1 ? ", round after round" : "");
   if (any_fp8) std::printf("; fp8 scales %.9g", double(float(cfg.fp8_scale)));
   std::printf("\n");
@@ -738,10 +783,11 @@ int run_bench(Args& args) {
         TokenResult& acc = at_t[f];
         if (round > 0 && !acc.ok()) continue;  // a failed check is not timed again
         if (formats.size() > 1 || rounds > 1)
-          std::fprintf(stderr, "%s T=%lld: round %lld of %lld, pools %s, q_rot %s, kv_layout %s, page_size %lld\n",
+          std::fprintf(stderr, "%s T=%lld: round %lld of %lld, pools %s, q_rot %s, k_rot %s, kv_layout %s, page_size %lld\n",
                        stage_prefix, (long long)T, (long long)round + 1, (long long)rounds,
                        dtype_name(formats[f].pool_dtype), dtype_name(formats[f].q_out_dtype),
-                       kv_layout_name(formats[f].kv_layout), (long long)formats[f].page_size);
+                       formats[f].k_rot ? "yes" : "no", kv_layout_name(formats[f].kv_layout),
+                       (long long)formats[f].page_size);
         BenchConfig c = with_format(cfg, formats[f]);
         c.iters = cfg.iters > 0 ? (cfg.iters + rounds - 1) / rounds : 0;
         c.seconds = cfg.seconds / double(rounds);
@@ -777,12 +823,12 @@ int run_bench(Args& args) {
   const bool format_columns = formats.size() > 1;
   auto print_format = [&](const TokenResult& r) {
     if (format_columns)
-      std::printf("%-14s %-14s %-4s %4lld ", dtype_name(r.format.pool_dtype),
-                  dtype_name(r.format.q_out_dtype), kv_layout_name(r.format.kv_layout),
-                  (long long)r.format.page_size);
+      std::printf("%-14s %-14s %-5s %-4s %4lld ", dtype_name(r.format.pool_dtype),
+                  dtype_name(r.format.q_out_dtype), r.format.k_rot ? "yes" : "no",
+                  kv_layout_name(r.format.kv_layout), (long long)r.format.page_size);
   };
   if (format_columns)
-    std::printf("%-14s %-14s %-4s %4s ", "pools", "q_rot", "kv", "page");
+    std::printf("%-14s %-14s %-5s %-4s %4s ", "pools", "q_rot", "k_rot", "kv", "page");
   std::printf("%7s %10s %5s %7s %11s %11s %11s %10s %8s %7s  %s\n", "tokens", "pool_slots", "sets",
               "calls", "median_us", "p10_us", "p90_us", "MB/call", "GB/s", "memcpy", "check");
   for (TokenResult& r : results) r.copy_ratio = r.gbps / copy.gbps;

@@ -14,6 +14,10 @@
 //          q_out, NHD and HND pools of page size 1, 16 and 64, beside the [P, Hk, D] bf16 pool
 //          of the same run; bytes counted at each tensor's element size. The fp8 cases run
 //          with scales that are not powers of two, and three of them again with powers of two.
+//          Two cases also without k_rot (SPEC §4 return_k_rot=False: a null k_out, bytes
+//          without the k_rot write), each after its case with k_rot: the bf16 [P, Hk, D] pool
+//          and NHD page 16 fp8 with fp8 q_out (the like-for-like of FlashInfer's
+//          rope_quantize_fp8_append_paged_kv_cache, which writes no k_rot).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -69,6 +73,8 @@ struct PoolSpec {
   /// Scales 0.5 / 0.25 / 0.125 (k, v, q: powers of two, which skip the division's Newton
   /// steps) instead of 0.05 / 0.0375 / 0.02.
   bool pow2_scales = false;
+  /// false: no k_rot (SPEC §4 return_k_rot=False): a null k_out, nothing written there.
+  bool k_rot = true;
   const float* scale_values() const {
     static const float pow2[3] = {0.5f, 0.25f, 0.125f}, other[3] = {0.05f, 0.0375f, 0.02f};
     return pow2_scales ? pow2 : other;
@@ -80,6 +86,7 @@ struct PoolSpec {
     if (fp8_pool) n += scale_ptrs ? " (scale ptrs)" : " (scale values)";
     if (fp8_q) n += ", q_out fp8";
     if ((fp8_pool || fp8_q) && pow2_scales) n += ", 2^-k scales";
+    if (!k_rot) n += ", no k_rot";
     return n;
   }
 };
@@ -92,10 +99,12 @@ struct Workload {
   RopePoolParams params;
   std::vector<double> inv_freq;
   /// Bytes one call moves, each tensor at its own element size: q, k, v read; q_out, k_out
-  /// written; one k and one v pool row written per token; int32 positions and slots read.
+  /// (not without k_rot) written; one k and one v pool row written per token; int32
+  /// positions and slots read.
   double bytes() const {
     const double es = 2, pool_es = pool.fp8_pool ? 1 : 2, q_out_es = pool.fp8_q ? 1 : 2;
-    return double(T) * D * (Hq * (es + q_out_es) + Hk * (3 * es + 2 * pool_es)) + 2.0 * 4 * T;
+    const double k_es = pool.k_rot ? 3 * es : 2 * es;  // k, v read; k_out written
+    return double(T) * D * (Hq * (es + q_out_es) + Hk * (k_es + 2 * pool_es)) + 2.0 * 4 * T;
   }
   Workload(int64_t tokens, bool with_graphs, Rng& rng, const PoolSpec& spec = {}) : T(tokens), pool(spec) {
     P = std::max<int64_t>(P, T);
@@ -119,7 +128,7 @@ struct Workload {
     q_out = std::make_unique<DeviceBuffer>(size_t(rows * Hq * D) * (pool.fp8_q ? 1 : 2));
     scales = std::make_unique<DeviceBuffer>(3 * sizeof(float));
     ROPEPOOL_CUDA_OK(cudaMemcpy(scales->ptr, pool.scale_values(), 3 * sizeof(float), cudaMemcpyHostToDevice));
-    k_out = std::make_unique<DeviceBuffer>(size_t(rows * Hk * D) * 2);
+    if (pool.k_rot) k_out = std::make_unique<DeviceBuffer>(size_t(rows * Hk * D) * 2);
     std::vector<int32_t> h_pos(static_cast<size_t>(rows)), h_slots(static_cast<size_t>(rows)),
         perm(static_cast<size_t>(P));
     for (auto& x : h_pos) x = int32_t(rng() % 131072);
@@ -147,7 +156,8 @@ struct Workload {
     p.dtype = dtype, p.num_tokens = T, p.num_qo_heads = Hq, p.num_kv_heads = Hk, p.head_dim = D;
     p.rotary_dim = D, p.pool_size = P;
     p.q = {at(q, Hq, 2), Hq * D, D}, p.k = {at(k, Hk, 2), Hk * D, D}, p.v = {at(v, Hk, 2), Hk * D, D};
-    p.q_out = {at(q_out, Hq, pool.fp8_q ? 1 : 2), Hq * D, D}, p.k_out = {at(k_out, Hk, 2), Hk * D, D};
+    p.q_out = {at(q_out, Hq, pool.fp8_q ? 1 : 2), Hq * D, D};
+    if (pool.k_rot) p.k_out = {at(k_out, Hk, 2), Hk * D, D};  // else null: no k_rot
     const int64_t ps = pool.page_size;
     switch (pool.layout) {
       case PoolSpec::Flat:
@@ -430,7 +440,13 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
   ROPEPOOL_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const double copy = copy_bandwidth(s);
   std::vector<PoolSpec> specs;
+  // A case again without k_rot (SPEC §4 return_k_rot=False).
+  auto without_k_rot = [](PoolSpec spec) {
+    spec.k_rot = false;
+    return spec;
+  };
   specs.push_back({});
+  specs.push_back(without_k_rot({}));
   specs.push_back({PoolSpec::Flat, 1, true, false, false});
   specs.push_back({PoolSpec::Flat, 1, true, false, true});
   for (auto layout : {PoolSpec::NHD, PoolSpec::HND})
@@ -439,6 +455,8 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
       specs.push_back({layout, ps, true, false, false});
     }
   specs.push_back({PoolSpec::NHD, 16, true, true, true});
+  // FlashInfer's fused rope_quantize_fp8_append_paged_kv_cache writes no k_rot: its like.
+  specs.push_back(without_k_rot({PoolSpec::NHD, 16, true, true, true}));
   specs.push_back({PoolSpec::Flat, 1, false, true, false});
   // The fp8 cases again with power-of-two scales, beside the same cases above.
   specs.push_back({PoolSpec::Flat, 1, true, false, true, true});

@@ -73,7 +73,35 @@ def test_bench_gptj_pairs(tmp_path):
     assert len(data["results"]) == 2 and all(x["verified"] for x in data["results"])
 
 
+def test_bench_times_calls_without_k_rot(tmp_path):
+    # --k-rot yes,no: each format with and without k_rot (SPEC §4 return_k_rot=False), the
+    # rows without it verified (q_rot, the pools against a call with k_rot) and counted
+    # without the k_rot write
+    out = tmp_path / "bench.json"
+    r = run_module("bench", "--threads", "2", "--tokens", "3", "--iters", "4", "--copy-mib", "1",
+                   "--rotate-mib", "1", "--pool-slots", "64", "--pool-dtype", "same,fp8",
+                   "--q-out-dtype", "fp8", "--kv-layout", "NHD", "--k-rot", "yes,no",
+                   "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [(x["pool_dtype"], x["k_rot"]) for x in results] == \
+        [(pool, k_rot) for pool in ("bfloat16", "float8_e4m3fn") for k_rot in (True, False)]
+    assert all(x["verified"] and x["calls"] == 4 for x in results)
+    T, Hk, D = 3, 8, 128
+    for with_k_rot, without in zip(results[::2], results[1::2]):
+        assert with_k_rot["bytes_per_call"] - without["bytes_per_call"] == T * Hk * D * 2
+    rows = [line.split() for line in r.stdout.splitlines()
+            if line.startswith(("bfloat16 ", "float8_e4m3fn "))]
+    assert [row[2] for row in rows] == ["yes", "no", "yes", "no"]  # the k_rot column
+    # one format: the header says it
+    r = run_module("bench", "--threads", "2", "--tokens", "3", "--iters", "2", "--copy-mib", "1",
+                   "--rotate-mib", "1", "--pool-slots", "64", "--k-rot", "no")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "; no k_rot (return_k_rot=False)" in r.stdout
+
+
 @pytest.mark.parametrize("args, message", [
+    (("--k-rot", "yes,none"), "--k-rot must be yes or no (or a list of them), got 'none'"),
     (("--pool-dtype", "same,fp8,"), "--pool-dtype expects a comma-separated list, got 'same,fp8,'"),
     (("--kv-layout", "none,nhd"), "--kv-layout must be none, NHD or HND (or a list of them), got 'nhd'"),
     (("--kv-layout", "none", "--page-size", "1,16"), "--page-size needs --kv-layout NHD or HND"),
