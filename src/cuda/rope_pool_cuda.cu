@@ -294,12 +294,14 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   // A CTA per token, one warp per item, so the token's items run side by side; for the seed's
   // pools the warp count is the only choice left (no other shape measured faster: docs/CUDA.md).
   // Up to T = 128 the uncapped kernel of an fp8 call spreads a token's items over CTAs of two
-  // warps (gridDim.y): at small T a token's e4m3 work is the longest chain, and more CTAs put
-  // it on more SMs (docs/CUDA.md, "Launch shape"). A paged pool in q's dtype keeps one CTA per
-  // token on the uncapped kernel (its split measured no faster).
+  // warps (gridDim.y), up to T = 256 with fp8 pools: at small T a token's e4m3 work is the
+  // longest chain, and more CTAs put it on more SMs (docs/CUDA.md, "Launch shape"). A pool in
+  // q's dtype keeps one CTA per token on the uncapped kernel (its split measured no faster;
+  // with an fp8 q_rot alone, none faster at T = 256).
   assert(c.ctas_per_token >= 0);
   const int whole_items = int(std::ceil(items_per_token));
-  const bool split = (fp8_pool || fp8_q || split_plain) && T <= cuda::kSplitMaxTokens;
+  const bool split = (fp8_pool && T <= cuda::kSplitFp8PoolMaxTokens) ||
+                     ((fp8_q || split_plain) && T <= cuda::kSplitMaxTokens);
   plan.ctas_per_token = 1;
   if (plan.uncapped && c.ctas_per_token > 0) plan.ctas_per_token = std::min(c.ctas_per_token, whole_items);
   else if (plan.uncapped && split) plan.ctas_per_token = (whole_items + 1) / 2;

@@ -41,6 +41,7 @@ constexpr int kStage = 8;   ///< raw vectors a lane holds: 2*kQUnits == 2*kKUnit
 constexpr int kSlotLocks = 1 << 16;
 constexpr int kUncappedMaxTokens = 256;  ///< LaunchConfig::uncapped up to this many tokens
 constexpr int kSplitMaxTokens = 128;     ///< the uncapped kernel's CTAs of two warps up to this T
+constexpr int kSplitFp8PoolMaxTokens = 256;  ///< the same for calls with fp8 pools
 constexpr int kMaxScanTokens = 256;  ///< duplicate scan in shared memory up to this many tokens
 
 /// How a kernel keeps two tokens with one slot from mixing their rows (SPEC §3).

@@ -1360,7 +1360,7 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
     // A head is D / 16 NeoX units of 16-byte vectors for 2-byte elements, D / 8 for float32.
     const int64_t units = pc.D / (pc.dtype == DType::Float32 ? 8 : 16);
     const int64_t items = want_kv + (pc.Hq * units + 32 * want_q - 1) / (32 * want_q);
-    const bool split = (pc.fp8_pool || pc.fp8_q || pc.split_plain) && pc.T <= 128;
+    const bool split = (pc.fp8_pool && pc.T <= 256) || ((pc.fp8_q || pc.split_plain) && pc.T <= 128);
     const int64_t want_ctas = pc.ctas_per_token ? std::min<int64_t>(pc.ctas_per_token, items)
                               : split              ? (items + 1) / 2
                                                    : 1;
@@ -1484,6 +1484,18 @@ void test_fp8_pools(Rng& rng) {
       c.ctas_per_token = 3, c.expect_uncapped = 1;
       run_pool_case(c, rng, "fp8");
     }
+    // The default split of fp8-pool calls at T = 129-256 (one CTA per token with an fp8 q_rot
+    // alone), Llama-3-8B's heads.
+    for (int64_t T : {129, 256})
+      for (int fp8 : {1, 2, 3}) {  // bit 0: fp8 pools, bit 1: fp8 q_rot
+        if (g_sanitize && T != 256) continue;
+        PoolCase c;
+        c.dtype = dt, c.cache = fp8 == 2 ? Cache::Pool3D : Cache::NHD, c.page_size = 16, c.T = T;
+        c.Hq = 32, c.Hk = 8, c.D = 128, c.expect_uncapped = dt == DType::Float32 ? -1 : 1;
+        c.fp8_pool = fp8 & 1, c.k_scale = 0.0375f, c.v_scale = 0.3f, c.scale_ptrs = T == 256;
+        c.fp8_q = fp8 & 2, c.q_scale = 0.07f;
+        run_pool_case(c, rng, "fp8");
+      }
     if (g_sanitize) continue;
     // Every path and launch shape, scale values that are not powers of two.
     PoolCase base;
