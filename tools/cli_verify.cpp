@@ -66,20 +66,22 @@ struct VerifyCase {
   KvLayout kv_layout = KvLayout::None;
   int64_t page_size = 1;
   bool fp8_pool = false, fp8_q = false;
+  bool k_rot = true;  // false: SPEC §4 return_k_rot=False (an empty k_out)
 
   std::string describe() const {
     char buf[640];
     std::snprintf(
         buf, sizeof buf,
         "%s D=%lld Hq=%lld Hk=%lld T=%lld, rotary_dim %lld, %s pairs, rope_scaling %s, "
-        "%s positions/slots, %s, kv_layout %s, page_size %lld, %s pools, %s q_rot, "
+        "%s positions/slots, %s, kv_layout %s, page_size %lld, %s pools, %s q_rot, %s, "
         "check_slots=%d, %d thread(s), seed %llu%s",
         dtype_name(dtype), (long long)head_dim, (long long)num_qo_heads, (long long)num_kv_heads,
         (long long)tokens, (long long)(rotary_dim ? rotary_dim : head_dim),
         interleaved ? "interleaved" : "half-split", rope_type_name(scaling),
         dtype_name(index_dtype), layout_name(layout), kv_layout_name(kv_layout),
         (long long)page_size, fp8_pool ? "float8_e4m3fn" : "q's dtype",
-        fp8_q ? "float8_e4m3fn" : "q's dtype", int(check_slots), threads,
+        fp8_q ? "float8_e4m3fn" : "q's dtype", k_rot ? "k_rot" : "no k_rot", int(check_slots),
+        threads,
         (unsigned long long)seed, kind_name(kind));
     return buf;
   }
@@ -140,6 +142,7 @@ std::string run_case(const VerifyCase& vc) {
   Case c(s, layout);
   // Everything poisoned, random q/k/v, distinct slots with about a quarter negative.
   c.randomize(rng, 0.25);
+  if (!vc.k_rot) c.tensors.k_out = TensorView{};  // its buffer must stay as it is
   for (int64_t t = 0; t < T; ++t) c.set_position(t, pick_position(rng));
 
   const int64_t P = c.shape.pool_size;  // whole pages with kv_layout
@@ -204,11 +207,12 @@ indices, negative slots, q/k/v as views of a fused qkv buffer, pools as a layer 
 stacked cache or the K/V halves of a vLLM / FlashInfer combined cache, partial rotary_dim,
 interleaved pairs and every rope_scaling type on a share of the cases, paged pools
 (kv_layout NHD/HND, page sizes 1, 5, 16, 64), float8_e4m3fn pools (float and tensor
-scales) and fp8 q_rot (SPEC §6), several thread counts. Each case (the test kit's call
-contract): every q_rot/k_rot element within the SPEC §1 bound (reference::tolerance),
-written pool rows bit-identical to k_rot/v (fp8: v bit-exact e4m3(v / v_scale), k and fp8
-q_rot within one e4m3 step of e4m3(exact / scale)), every other byte of every buffer
-unchanged. Plus, per dtype: an out-of-range slot and a repeated
+scales) and fp8 q_rot (SPEC §6), calls without k_rot (SPEC §4 return_k_rot=False) on a
+quarter of the cases, several thread counts. Each case (the test kit's call contract): every
+q_rot/k_rot element within the SPEC §1 bound (reference::tolerance), written pool rows
+bit-identical to k_rot/v (without k_rot: k rows within that bound; fp8: v bit-exact
+e4m3(v / v_scale), k and fp8 q_rot within one e4m3 step of e4m3(exact / scale)), every other
+byte of every buffer unchanged. Plus, per dtype: an out-of-range slot and a repeated
 slot with check_slots must be rejected with nothing written; a repeated slot without it
 must leave one token's complete row.
 
@@ -275,6 +279,7 @@ int run_verify(Args& args) {
           }
           c.fp8_pool = rng.chance(0.3);
           c.fp8_q = rng.chance(0.2);
+          c.k_rot = !rng.chance(0.25);
           // SPEC §4 extras on a share of the cases: partial rotary, GPT-J pairs
           if (D > 2 && rng.chance(0.25)) c.rotary_dim = 2 * rng.integer(1, D / 2 - 1);
           c.interleaved = rng.chance(0.25);
@@ -301,6 +306,7 @@ int run_verify(Args& args) {
         c.page_size = 16;
       }
       c.fp8_pool = rng.chance(0.5);
+      c.k_rot = !rng.chance(0.25);
       c.check_slots =
           kind == Kind::DuplicateChecked || (kind == Kind::SlotOutOfRange && rng.chance(0.5));
       c.threads = next_threads();
