@@ -109,9 +109,10 @@ struct Checker {
     return h;
   }
 
-  // SPEC §4 return_k_rot=False: k_out left empty (a default TensorView) means that k_rot is
-  // not written at all; every check of k_out is skipped and the backends get a null k_out.
-  bool k_rot_written() const { return t.k_out.data != nullptr || t.k_out.ndim != 0; }
+  // An argument the call does not have, which no check applies to: k_out left empty (a
+  // default TensorView), SPEC §4 return_k_rot=False, where k_rot is not written at all and
+  // the backends get a null k_out.
+  bool absent(Arg a) const { return a == Arg::k_out && t.k_out.data == nullptr && t.k_out.ndim == 0; }
 
   static bool fp8_pools(const TensorView& k_pool, const TensorView& v_pool) {
     return k_pool.dtype == DType::Float8E4M3FN && v_pool.dtype == DType::Float8E4M3FN;
@@ -316,7 +317,6 @@ struct Checker {
                           {&t.k_out, k_inplace ? "k (rotated in place)" : "k_out"},
                           {&t.k_pool, "k_pool"},
                           {&t.v_pool, "v_pool"}};
-    const bool has_k_out = k_rot_written();
     // The inputs, the scale tensors (read while the outputs are written) and the SPEC §7
     // norm weights.
     Named ins[10] = {{&t.q, "q"}, {&t.k, "k"}, {&t.v, "v"}, {&t.positions, "positions"},
@@ -341,15 +341,15 @@ struct Checker {
     auto meet = [](const ByteSpan& a, const ByteSpan& b) {
       return !a.empty() && !b.empty() && a.lo < b.hi && b.lo < a.hi;
     };
+    // (An empty k_out, no k_rot, has an empty span: it meets nothing.)
     for (size_t o = 0; o < 4; ++o) {
-      if (o == 1 && !has_k_out) continue;  // no k_rot: k_out writes nothing
       for (size_t i = 0; i < num_ins; ++i) {
         if ((o == 0 && i == 0 && q_inplace) || (o == 1 && i == 1 && k_inplace)) continue;
         if (meet(out_span[o], in_span[i]) && views_overlap(*outs[o].view, *ins[i].view))
           reject(outs[o].name, ins[i].name);
       }
       for (size_t o2 = o + 1; o2 < 4; ++o2)
-        if ((o2 != 1 || has_k_out) && meet(out_span[o], out_span[o2]) && views_overlap(*outs[o].view, *outs[o2].view))
+        if (meet(out_span[o], out_span[o2]) && views_overlap(*outs[o].view, *outs[o2].view))
           reject(outs[o].name, outs[o2].name);
     }
   }
@@ -357,7 +357,7 @@ struct Checker {
   void devices() const {
     const Device d = t.q.device;
     for (auto [a, v] : all())
-      if (!(v->device == d) && (a != Arg::k_out || k_rot_written()))
+      if (!(v->device == d) && !absent(a))
         fail(std::string("rope_pool_fused: all tensors must be on one device, got q on ") +
                  device_name(d) + " and " + arg_name(a) + " on " + device_name(v->device),
              "move every tensor (the pools too) to the device the model runs on");
@@ -373,7 +373,7 @@ struct Checker {
   // Python layer. q_out may also be float8_e4m3fn (SPEC §6, quantised with q_scale).
   void outputs() const {
     for (auto [a, out, in] : {std::tuple{Arg::q_out, &t.q_out, &t.q}, {Arg::k_out, &t.k_out, &t.k}})
-      if ((a != Arg::k_out || k_rot_written()) &&
+      if (!absent(a) &&
           (!same_shape(*out, *in) ||
            (out->dtype != in->dtype && !(a == Arg::q_out && out->dtype == DType::Float8E4M3FN))))
         fail(std::string("rope_pool_fused: ") + arg_name(a) + " must have the shape and dtype of " +
@@ -443,7 +443,7 @@ struct Checker {
     // by different tokens/heads would clobber each other.
     for (auto [a, v] : {std::pair{Arg::q_out, &t.q_out}, {Arg::k_out, &t.k_out},
                         {Arg::k_pool, &t.k_pool}, {Arg::v_pool, &t.v_pool}})
-      if ((a != Arg::k_out || k_rot_written()) && !non_overlapping(*v))
+      if (!absent(a) && !non_overlapping(*v))
         fail(std::string("rope_pool_fused: ") + arg_name(a) +
              " has overlapping or negative strides " + strides_str(*v) +
              "; every element it receives needs its own memory");

@@ -213,14 +213,11 @@ def rope_pool_fused(
             # One op for every out= call: the output not given is allocated here, as the
             # default op would, so the op has a fixed set of mutated arguments. No k_rot
             # (return_k_rot=False): the op's k_out is None; with inplace q_out is q.
-            if not k_rot_wanted and inplace:
+            if inplace:  # only here without k_rot (inplace with k_out is refused above)
                 q_rot = q
             else:
                 q_rot = _new_q_rot(q, cache[-1]) if q_out is None else q_out
-            if not k_rot_wanted:
-                k_rot = None
-            else:
-                k_rot = _new_torch_output(k) if k_out is None else k_out
+            k_rot = _new_torch_output(k) if k_out is None and k_rot_wanted else k_out
             outs = (q_rot, k_rot) if k_rot is not None else (q_rot,)
             if _plain_eager(tensors + outs) and _plain_scales(cache) \
                     and _plain_weights(fusion):
@@ -252,13 +249,12 @@ def rope_pool_fused(
     if cache[-1]:
         raise ValueError("rope_pool_fused: q_out_dtype=float8_e4m3fn needs torch tensors "
                          "(NumPy cannot export float8 through DLPack)")
+    # (without k_rot, k_out is None: checked above)
     if inplace:
-        q_rot, k_rot = q, k
+        q_rot, k_rot = q, (k if k_rot_wanted else None)
     else:
         q_rot = _new_array_output(q, "q") if q_out is None else q_out
         k_rot = _new_array_output(k, "k") if k_out is None and k_rot_wanted else k_out
-    if not k_rot_wanted:
-        k_rot = None
     _ropepool.rope_pool_fused_into(
         q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot,
         head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
@@ -553,16 +549,15 @@ def validate_rope_pool(
         if cache[-1]:
             raise ValueError("rope_pool_fused: q_out_dtype=float8_e4m3fn needs torch tensors "
                              "(NumPy cannot export float8 through DLPack)")
+    # (without k_rot, k_out is None: checked above)
     if inplace:
-        q_rot, k_rot = q, k
+        q_rot, k_rot = q, (k if k_rot_wanted else None)
     elif is_torch:
         q_rot = _new_q_rot(q, cache[-1]) if q_out is None else q_out
         k_rot = _new_torch_output(k) if k_out is None and k_rot_wanted else k_out
     else:
         q_rot = _new_array_output(q, "q") if q_out is None else q_out
         k_rot = _new_array_output(k, "k") if k_out is None and k_rot_wanted else k_out
-    if not k_rot_wanted:
-        k_rot = None
     _ropepool.rope_pool_fused_into(
         q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot,
         head_dim=head_dim, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,

@@ -195,6 +195,20 @@ int64_t units_per_head(const RopePoolProblem& p, int64_t vec) {
   return rotating_units + (p.head_dim - R) / vec;
 }
 
+/// The cuda::PoolVariant bits of a call, for the main kernel and the fusion kernels alike.
+/// Paged pools, fp8 pools and fp8 q_out run their own kernels; the seed's kernels (variant 0)
+/// address a pool of page size 1 as row slot * page_stride. A call without k_rot (null k_out,
+/// SPEC §4) runs a pool variant too (a 3-D pool as page size 1): only those kernels test
+/// k_out, so the seed's keep their code.
+int pool_variant_of(const RopePoolProblem& p) {
+  const bool fp8_pool = p.pool_dtype == DType::Float8E4M3FN, fp8_q = p.q_out_dtype == DType::Float8E4M3FN;
+  int variant = 0;
+  if (fp8_pool || fp8_q || p.page_size > 1 || p.k_out.data == nullptr) variant = cuda::kPoolPaged;
+  if (fp8_pool) variant |= cuda::kPoolFp8;
+  if (fp8_q) variant |= cuda::kQOutFp8;
+  return variant;
+}
+
 }  // namespace
 
 // The limits validation asks for (limits.hpp) must be the kernel's.
@@ -218,14 +232,7 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
 
   LaunchPlan plan;
   const bool fp8_pool = p.pool_dtype == DType::Float8E4M3FN, fp8_q = p.q_out_dtype == DType::Float8E4M3FN;
-  // Paged pools, fp8 pools and fp8 q_out run their own kernels (PoolVariant); the seed's
-  // kernels (variant 0) address a pool of page size 1 as row slot * page_stride. A call
-  // without k_rot (null k_out, SPEC §4) runs a pool variant too (a 3-D pool as page size 1):
-  // only those kernels test k_out, so the seed's keep their code.
-  const bool no_k_rot = p.k_out.data == nullptr;
-  if (fp8_pool || fp8_q || p.page_size > 1 || no_k_rot) plan.pool_variant = cuda::kPoolPaged;
-  if (fp8_pool) plan.pool_variant |= cuda::kPoolFp8;
-  if (fp8_q) plan.pool_variant |= cuda::kQOutFp8;
+  plan.pool_variant = pool_variant_of(p);
 
   const int vec = int(16 / es);
   // A vector access (16 bytes of q/k/v, as many elements of each output) must not straddle
@@ -585,11 +592,7 @@ void launch_fusion(const RopePoolProblem& p, SlotErrorRecord* record, cudaStream
   plan.threads = 32 * kFusionWarps;
   plan.pool_write_mode = p.num_tokens == 1 ? kPoolWriteDirect : kPoolWriteLock;
   // SPEC §6: the main kernel's pool variants (plan_launch), the same bits.
-  const bool fp8_pool = p.pool_dtype == DType::Float8E4M3FN;
-  const bool fp8_q = p.q_out_dtype == DType::Float8E4M3FN;
-  if (fp8_pool || fp8_q || p.page_size > 1 || p.k_out.data == nullptr) plan.pool_variant = kPoolPaged;
-  if (fp8_pool) plan.pool_variant |= kPoolFp8;
-  if (fp8_q) plan.pool_variant |= kQOutFp8;
+  plan.pool_variant = pool_variant_of(p);
   // The table, a row of head_dim floats per warp, and (pool variants) the scales and the pool
   // row's offsets before them, as in the main kernel.
   plan.shared_bytes = sizeof(float) * size_t(p.rotary_dim + kFusionWarps * p.head_dim) +
