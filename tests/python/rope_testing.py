@@ -161,6 +161,28 @@ def make_case(framework, dtype, rng, *, T, Hq, Hk, D, P, device="cpu", index_dty
     return Case(**f, **i, head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk, rope_base=rope_base)
 
 
+def copy_pools(case):
+    """Private copies of the case's pools (torch or NumPy)."""
+    if isinstance(case.k_pool, np.ndarray):
+        return case.k_pool.copy(), case.v_pool.copy()
+    return case.k_pool.clone(), case.v_pool.clone()
+
+
+def assert_same_bits(got, want, what):
+    np.testing.assert_array_equal(raw_bits(got), raw_bits(want), err_msg=what)
+
+
+def default_call(case, **kw):
+    """The default call (fresh outputs) on private copies of the pools: (q_rot, k_rot,
+    k_pool, v_pool)."""
+    import ropepool
+
+    k_pool, v_pool = copy_pools(case)
+    q_rot, k_rot, _, _ = ropepool.rope_pool_fused(*case.args()[:5], k_pool, v_pool,
+                                                  **case.kwargs(**kw))
+    return q_rot, k_rot, k_pool, v_pool
+
+
 def assert_pool_writes(case, k_rot):
     """Rows named by non-negative slots hold k_rot / v bit for bit (slots distinct); every
     other row is bit-identical to before."""

@@ -12,7 +12,7 @@ import torch
 
 import ropepool
 import ropepool._op
-from rope_testing import make_case, raw_bits
+from rope_testing import assert_same_bits, copy_pools, default_call, make_case, raw_bits
 
 FP8 = torch.float8_e4m3fn
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -33,24 +33,6 @@ def poisoned_like(x, dtype=None):
     if isinstance(x, np.ndarray):
         return poison(np.empty_like(x))
     return poison(torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device))
-
-
-def copy_pools(case):
-    if isinstance(case.k_pool, np.ndarray):
-        return case.k_pool.copy(), case.v_pool.copy()
-    return case.k_pool.clone(), case.v_pool.clone()
-
-
-def assert_same_bits(got, want, what):
-    np.testing.assert_array_equal(raw_bits(got), raw_bits(want), err_msg=what)
-
-
-def default_call(case, **kw):
-    """The default call (fresh outputs) on private copies of the pools."""
-    k_pool, v_pool = copy_pools(case)
-    q_rot, k_rot, _, _ = ropepool.rope_pool_fused(*case.args()[:5], k_pool, v_pool,
-                                                  **case.kwargs(**kw))
-    return q_rot, k_rot, k_pool, v_pool
 
 
 # Keyword sets the out= call must pass through unchanged (SPEC §4, §7).
