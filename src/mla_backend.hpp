@@ -19,7 +19,8 @@ struct MlaProblem {
   int64_t latent_dim = 0;  // L; a cache row holds L + R elements
   bool interleaved = true;
   Rows q_pe, q_out;        // [T, H, R]
-  Rows k_pe, k_out;        // [T, R] (head_stride unused)
+  Rows k_pe, k_out;        // [T, R] (head_stride unused); k_out.data null: no k_pe_rot
+                           // (SPEC §8 return_k_rot=False)
   Rows kv_c;               // [T, L] (head_stride unused)
   /// Cache row of slot s: data + (s / page_size) * page_stride + (s % page_size) * row_stride
   /// (head_stride unused). Token caches are page_size 1.

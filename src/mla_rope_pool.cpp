@@ -69,6 +69,12 @@ struct Checker {
     return o.format_shape ? o.format_shape(name, v) : format_shape(v);
   }
   bool paged() const { return p.kv_layout == MlaCacheLayout::NHD; }
+  // An argument the call does not have, which no check applies to: k_out left empty (a
+  // default TensorView), SPEC §8 return_k_rot=False, where k_pe_rot is not written at all and
+  // the backends get a null k_out.
+  bool absent(const TensorView& v) const {
+    return &v == &t.k_out && t.k_out.data == nullptr && t.k_out.ndim == 0;
+  }
   const char* cache_form() const {
     return paged() ? "[pages, page_size, kv_lora_rank + rope_dim]"
                    : "[num_slots, kv_lora_rank + rope_dim]";
@@ -208,7 +214,7 @@ struct Checker {
   void devices() const {
     const Device d = t.q_pe.device;
     for (auto [name, v] : all())
-      if (!(v->device == d))
+      if (!(v->device == d) && !absent(*v))
         fail("all tensors must be on one device, got q_pe on " + device_name(d) + " and " +
                  name + " on " + device_name(v->device),
              "move every tensor (the cache too) to the device the model runs on");
@@ -221,7 +227,7 @@ struct Checker {
   void outputs() const {
     for (auto [name, out, in, in_name] :
          {std::tuple{"q_out", &t.q_out, &t.q_pe, "q_pe"}, {"k_out", &t.k_out, &t.k_pe, "k_pe"}})
-      if (!same_shape(*out, *in) || out->dtype != in->dtype)
+      if (!absent(*out) && (!same_shape(*out, *in) || out->dtype != in->dtype))
         fail(std::string(name) + " must have the shape and dtype of " + in_name + " (" +
              shape(in_name, *in) + " " + dtype_name(in->dtype) + "), got " + shape(name, *out) +
              " " + dtype_name(out->dtype));
@@ -236,7 +242,7 @@ struct Checker {
              "pass a view whose last axis is contiguous, e.g. x.contiguous()");
     }
     for (auto [name, v] : {std::pair{"q_out", &t.q_out}, {"k_out", &t.k_out}, {"kv_cache", &t.kv_cache}})
-      if (!non_overlapping(*v))
+      if (!absent(*v) && !non_overlapping(*v))
         fail(std::string(name) + " has overlapping or negative strides " + strides_str(*v) +
              "; every element it receives needs its own memory");
   }
@@ -272,6 +278,7 @@ struct Checker {
   }
 
   // SPEC §3: every output against every input it does not replace and the other outputs.
+  // (An empty k_out, no k_pe_rot, has an empty span: it meets nothing.)
   void overlaps() const {
     const bool q_inplace = same_view(t.q_out, t.q_pe), k_inplace = same_view(t.k_out, t.k_pe);
     struct Named {
@@ -326,7 +333,7 @@ Checked check(const MlaTensors& t, const MlaParams& p, const MlaCallOptions& o) 
   m.q_pe = rows(t.q_pe);
   m.q_out = rows(t.q_out);
   m.k_pe = rows(t.k_pe);
-  m.k_out = rows(t.k_out);
+  if (!c.absent(t.k_out)) m.k_out = rows(t.k_out);  // else null: no k_pe_rot
   m.kv_c = rows(t.kv_c);
   if (c.paged()) {
     m.cache = {t.kv_cache.data, t.kv_cache.strides[0], t.kv_cache.strides[1], 0};

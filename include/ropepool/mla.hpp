@@ -18,6 +18,9 @@ struct RopeSchedule;  // schedule.hpp
 /// The caller's arguments (T tokens, H query heads, R = rope_dim, L = the latent size). Every
 /// tensor lives on one device; q_out/k_out are caller-allocated (the library never
 /// allocates) and may be q_pe/k_pe themselves (in-place rotation).
+/// `k_out` left empty (a default TensorView: no data, no dimensions) asks for no k_pe_rot
+/// (SPEC §8, Python's return_k_rot=False): k_pe is only read, and nothing but q_out and the
+/// cache rows is written.
 struct MlaTensors {
   TensorView q_pe;       ///< [T, H, R], float32 / float16 / bfloat16; often a view of q [T, H, 192]
   TensorView k_pe;       ///< [T, R] or [T, 1, R], q_pe's dtype
@@ -28,7 +31,7 @@ struct MlaTensors {
   /// float8_e4m3fn. Updated in place.
   TensorView kv_cache;
   TensorView q_out;  ///< q_pe's shape and dtype: receives q_pe_rot
-  TensorView k_out;  ///< k_pe's shape and dtype: receives k_pe_rot
+  TensorView k_out;  ///< k_pe's shape and dtype: receives k_pe_rot; empty: no k_pe_rot
   /// Optional: a one-element float32 tensor on the cache's device holding the fp8 scale, read
   /// when the kernel runs (replaces MlaParams::kv_scale). Only with a float8_e4m3fn cache.
   TensorView kv_scale;

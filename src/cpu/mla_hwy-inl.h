@@ -116,6 +116,8 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
   // (RotateRowInterleaved / RotateRowWithE4M3 read the interleaved ones)
   const bool il_tables = gptj && (!kBF16 || (kFp8Cache && !fused_k));
   const bool stream = kCanStream && plan.stream_stores;
+  // k_pe_rot (null: not asked for, SPEC §8 return_k_rot=False)
+  const bool k_rot_written = p.k_out.data != nullptr;
   constexpr size_t es = sizeof(T);
   const size_t q_row_bytes = size_t(R) * es;
 
@@ -204,7 +206,8 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
       // A line this core has read ahead is held exclusively, so a plain store to it needs no
       // read-for-ownership: k_out, the first line of a staged q_out block (shared with the
       // previous token's last), the cache row when not streaming.
-      PrefetchBytes(static_cast<const T*>(p.k_out.data) + pf_t * p.k_out.row_stride, R * int64_t(es));
+      if (k_rot_written)
+        PrefetchBytes(static_cast<const T*>(p.k_out.data) + pf_t * p.k_out.row_stride, R * int64_t(es));
       if (q_staged) hwy::Prefetch(q_out(pf_t, 0));
       const int64_t slot = p.slots[pf_t];
       if (!stream && slot >= 0) PrefetchBytes(cache_row(slot), cache_row_bytes);
@@ -245,10 +248,12 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
     }
 
     const T* k_x = static_cast<const T*>(p.k_pe.data) + t * p.k_pe.row_stride;
-    T* k_dst = static_cast<T*>(p.k_out.data) + t * p.k_out.row_stride;
+    T* k_dst = k_rot_written ? static_cast<T*>(p.k_out.data) + t * p.k_out.row_stride : nullptr;
     int64_t slot = p.slots[t];
     if (plan.superseded && plan.superseded[t]) slot = -1;
     assert(slot < p.pool_size);  // validated (SPEC §3)
+    // with neither k_pe_rot nor a cache row the token's k_pe has nothing to write
+    if (!k_dst && slot < 0) continue;
     const T* kv = static_cast<const T*>(p.kv_c.data) + t * p.kv_c.row_stride;
     if constexpr (kFp8Cache) {
       // SPEC §8: the cache gets the rotated k before it is rounded to k's dtype.
@@ -269,7 +274,7 @@ void MlaTokensT(const MlaPlan& plan, int64_t token_begin, int64_t token_end) {
     } else {
       T* k_rot = reinterpret_cast<T*>(row_stage);
       rotate(k_x, k_rot, false);
-      std::memcpy(k_dst, k_rot, q_row_bytes);
+      if (k_dst) std::memcpy(k_dst, k_rot, q_row_bytes);
       if (slot < 0) continue;
       uint8_t* dst = cache_row(slot);
       if (stream) {

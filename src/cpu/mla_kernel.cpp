@@ -40,7 +40,9 @@ void mla_rope_pool_cpu(const MlaProblem& p) {
   plan.inv_freq_padded = inv_freq_padded.data();
   plan.kv_scale = p.kv_scale.ptr ? *p.kv_scale.ptr : p.kv_scale.value;  // read when the call runs
 
-  // Each tensor at its own element size, as rope_pool_fused counts its traffic.
+  // Each tensor at its own element size, as rope_pool_fused counts its traffic; k_out counts
+  // when it is not written too (return_k_rot=False), so such a call is planned as the call
+  // with k_pe_rot, as rope_pool_cpu plans one.
   const int64_t es = int64_t(dtype_size(p.dtype)), cache_es = int64_t(dtype_size(p.cache_dtype));
   const int64_t bytes =
       T * (es * (2 * p.num_heads * p.rope_dim + 2 * p.rope_dim + p.latent_dim) +

@@ -1,6 +1,8 @@
 // mla_rope_pool_fused (SPEC §8) on the CPU: every element against the float64 reference,
 // whole-buffer contracts (poisoned outputs, guards, untouched rows and row padding), the
-// fp8 rule, paged caches, strided views, int64 indices, and every validation message.
+// fp8 rule, paged caches, strided views, int64 indices, and every validation message. Every
+// call that succeeds is made again without k_pe_rot (an empty k_out, return_k_rot=False),
+// which must write the very bytes of the call with it, k_out aside.
 #include <cmath>
 #include <string>
 #include <tuple>
@@ -15,11 +17,15 @@ namespace {
 
 class Mla : public SeededTest {
  protected:
+  // The call against the reference, then the same call without k_pe_rot against it
+  // (MlaCase::check_without_k_rot: q_out and the whole cache, guards included, bit for bit;
+  // the k_out buffer, or k_pe in place, untouched).
   void run_and_check(MlaCase& c, int threads = 1, const MlaCallOptions& o = {}) {
     c.poison_outputs(rng);
     const MlaCase::Snapshot before = c.snapshot();
     ASSERT_NO_THROW(mla_rope_pool_fused(c.tensors, c.params, o));
     for (const std::string& p : c.check(before, threads)) ADD_FAILURE() << p;
+    for (const std::string& p : c.check_without_k_rot(before, o, threads)) ADD_FAILURE() << p;
   }
   // The call is rejected with exactly `message`, and nothing at all is written.
   void expect_rejected(MlaCase& c, const std::string& message) {
@@ -179,6 +185,48 @@ TEST_F(Mla, ThreadsAndRepeatedSlots) {
   detail::cpu::set_parallel_min_bytes(saved);
 }
 
+// Non-temporal stores (forced for any size), staged or in place, into both cache dtypes:
+// the call without k_pe_rot takes the same store paths for q_out and the cache rows.
+TEST_F(Mla, StreamingStores) {
+  const int64_t saved = detail::cpu::stream_min_bytes();
+  detail::cpu::set_stream_min_bytes(0);
+  for (DType cache_dtype : {DType::BFloat16, DType::Float8E4M3FN})
+    for (bool inplace : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(cache_dtype)) + (inplace ? " in place" : ""));
+      MlaShape s;
+      s.cache_dtype = cache_dtype;
+      s.inplace = inplace;
+      s.num_tokens = 33;
+      s.page_size = 16;
+      s.rope_scaling = deepseek_v3_yarn();
+      MlaCase c(s);
+      c.randomize(rng);
+      run_and_check(c);
+    }
+  detail::cpu::set_stream_min_bytes(saved);
+}
+
+// Without k_pe_rot only q_out and the named rows are written: with every slot negative, q_out
+// alone (check_without_k_rot also compares that with the call with k_pe_rot).
+TEST_F(Mla, WithoutKRotAndNoCacheRowsWritesOnlyQ) {
+  for (DType cache_dtype : {DType::Float16, DType::Float8E4M3FN}) {
+    MlaShape s;
+    s.dtype = DType::Float16;
+    s.cache_dtype = cache_dtype;
+    s.num_tokens = 7;
+    MlaCase c(s);
+    c.randomize(rng, 1.0);
+    c.poison_outputs(rng);
+    const MlaCase::Snapshot before = c.snapshot();
+    c.tensors.k_out = TensorView{};
+    ASSERT_NO_THROW(mla_rope_pool_fused(c.tensors, c.params));
+    for (const std::string& p : c.check(before)) ADD_FAILURE() << p;
+    const std::vector<std::string> changed = c.changes_since(before);
+    ASSERT_EQ(changed.size(), 1u);
+    EXPECT_EQ(changed[0].rfind("buffer q_out changed", 0), 0u) << changed[0];
+  }
+}
+
 TEST_F(Mla, OutOfRangeSlotsWriteNothing) {
   for (int64_t page_size : {0, 16}) {
     MlaShape s;
@@ -330,6 +378,20 @@ TEST_F(Mla, ValidationMessages) {
         },
         P + "q_out and kv_cache overlap in memory (they share at least one byte); the result "
             "would depend on the order of reads and writes", s);
+  // No k_pe_rot (an empty k_out): only a default TensorView asks for none; the other checks
+  // still run (here: the first fault of the call).
+  fresh([](MlaCase& c) { c.tensors.k_out = TensorView{}, c.tensors.q_out.dtype = DType::Float32; },
+        P + "q_out must have the shape and dtype of q_pe ([4, 2, 16] bfloat16), got [4, 2, 16] float32", s);
+  fresh([](MlaCase& c) { c.tensors.k_out = TensorView{}, c.tensors.kv_cache.device = {DeviceType::CUDA, 0}; },
+        P + "all tensors must be on one device, got q_pe on cpu and kv_cache on cuda:0", s);
+  fresh([](MlaCase& c) { c.tensors.k_out.ndim = 0; },
+        P + "k_out must have the shape and dtype of k_pe ([4, 16] bfloat16), got [] bfloat16", s);
+  fresh([](MlaCase& c) {
+          c.tensors.k_out = TensorView{};
+          c.tensors.kv_cache.data = c.tensors.kv_c.data, c.tensors.kv_cache.shape[0] = 4;
+        },
+        P + "kv_cache and k_pe overlap in memory (they share at least one byte); the result would "
+            "depend on the order of reads and writes", s);
   MlaShape inplace = s;
   inplace.inplace = true;
   fresh([](MlaCase& c) {

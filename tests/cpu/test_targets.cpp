@@ -21,7 +21,8 @@
 //                           and q_rot), k_rot that rotation rounded; half-split and GPT-J
 //                           pairs, whole (even, odd) chunks or not.
 //   MlaFp8KIsTheRotation    the same for mla_rope_pool_fused's fp8 cache rows (k_pe_rot part)
-//                           and its k_pe_rot.
+//                           and its k_pe_rot; without k_pe_rot (return_k_rot=False) the
+//                           same bytes.
 //   CachesMatchReference    paged (NHD/HND, page sizes 1, 5, 16) and combined-cache pools,
 //                           fp8 pools and fp8 q_rot, 1-3 threads: the test kit's whole-call
 //                           contract.
@@ -598,8 +599,17 @@ void mla_fp8_k_is_the_rotation(const char* target) {
         for (int64_t d = 0; d < s.latent_dim; ++d)
           store(f.tensors.kv_c, t, d, 0, float(load(b.tensors.kv_c, t, d, 0)));
       }
+      const MlaCase::Snapshot b_before = b.snapshot(), f_before = f.snapshot();
       ASSERT_NO_THROW(mla_rope_pool_fused(b.tensors, b.params));
       ASSERT_NO_THROW(mla_rope_pool_fused(f.tensors, f.params));
+      // SPEC §8 return_k_rot=False: the same calls without k_pe_rot write the same bytes (the
+      // calls are made again; the k_out views are restored for the checks below)
+      for (MlaCase* c : {&b, &f}) {
+        const MlaCase::Snapshot after = c->snapshot();
+        for (const std::string& problem : c->check_without_k_rot(c == &b ? b_before : f_before))
+          ADD_FAILURE() << "R " << R << " kv_scale " << kv_scale << ": " << problem;
+        for (size_t i = 0; i < c->buffers().size(); ++i) c->buffers()[i]->restore(after.bytes[i]);
+      }
       const float scale = float(kv_scale);
       const int64_t L = s.latent_dim;
       auto cache_byte = [&](const MlaCase& c, int64_t slot, int64_t col) {

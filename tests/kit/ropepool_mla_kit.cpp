@@ -186,11 +186,15 @@ std::vector<std::string> MlaCase::check(const Snapshot& before, int threads) con
   const TensorView q_pe = moved(tensors.q_pe, *q_, q_in);
   const TensorView k_pe = as_3d(moved(tensors.k_pe, *kv_, kv_in));
   const TensorView kv_c = moved(tensors.kv_c, *kv_, kv_in);
-  const TensorView k_out = as_3d(tensors.k_out);
+  // An empty k_out: no k_pe_rot (SPEC §8 return_k_rot=False); the cache rows' k_pe_rot parts
+  // are then checked against the float64 rotation below.
+  const bool k_rot = tensors.k_out.data != nullptr || tensors.k_out.ndim != 0;
+  const TensorView k_out = k_rot ? as_3d(tensors.k_out) : TensorView{};
 
   RotationCheck how;
   how.threads = threads;
   for (auto [name, x, out] : {std::tuple{"q_pe_rot", q_pe, tensors.q_out}, {"k_pe_rot", k_pe, k_out}}) {
+    if (!k_rot && out.ndim == 0) continue;
     const CheckStats st = check_rotation(name, x, out, tensors.positions, schedule, s.interleaved, how);
     for (auto& f : st.first) problems.push_back(f.second);
     if (st.failures > int64_t(st.first.size()))
@@ -211,11 +215,28 @@ std::vector<std::string> MlaCase::check(const Snapshot& before, int threads) con
   auto row_ptr = [&](int64_t slot) {
     return paged ? element(c, slot / s.page_size, slot % s.page_size, 0) : element(c, slot, 0, 0);
   };
+  // Without k_pe_rot, the k part of a row in q_pe's dtype is the float64 rotation of the
+  // token's k_pe within reference::tolerance (check_rotation on it as a [1, 1, R] view).
+  auto rotated_k_part_is = [&](const uint8_t* row, int64_t t) {
+    TensorView part = tensors.kv_cache;
+    part.data = const_cast<uint8_t*>(row) + L * int64_t(dtype_size(s.cache_dtype));
+    part.ndim = 3;
+    part.shape[0] = 1, part.shape[1] = 1, part.shape[2] = R;
+    part.strides[0] = R, part.strides[1] = R, part.strides[2] = 1;
+    return check_rotation("k_pe_rot in the cache", token_slice(k_pe, t, 1), part,
+                          token_slice(tensors.positions, t, 1), schedule, s.interleaved, how)
+        .ok();
+  };
   auto row_matches = [&](int64_t slot, int64_t t, std::string* why) {
     const uint8_t* row = static_cast<const uint8_t*>(row_ptr(slot));
     const size_t es = dtype_size(s.cache_dtype);
+    if (!fp8 && !k_rot && !rotated_k_part_is(row, t)) {
+      if (why) *why = "its k_pe_rot part is not token " + std::to_string(t) + "'s rotated k_pe";
+      return false;
+    }
     for (int64_t d = 0; d < L + R; ++d) {
       const uint8_t* got = row + d * es;
+      if (!fp8 && !k_rot && d >= L) break;  // checked above
       if (!fp8) {
         const void* want = d < L ? element(kv_c, t, d) : element(k_out, t, 0, d - L);
         if (std::memcmp(got, want, es) != 0) {
@@ -265,7 +286,7 @@ std::vector<std::string> MlaCase::check(const Snapshot& before, int threads) con
         for (int64_t d = 0; d < L + R; ++d) may[size_t(o + d)] = 1;
       }
     if ((&b == q_out_ || (s.inplace && &b == q_))) allow_rows(tensors.q_out);
-    if ((&b == k_out_ || (s.inplace && &b == kv_))) allow_rows(tensors.k_out);
+    if (k_rot && (&b == k_out_ || (s.inplace && &b == kv_))) allow_rows(tensors.k_out);
     int changed = 0;
     for (int64_t e : b.changed_elements(before.bytes[i], size_t(-1))) {
       if (e >= 0 && may[size_t(e)]) continue;
@@ -274,6 +295,29 @@ std::vector<std::string> MlaCase::check(const Snapshot& before, int threads) con
                            " of buffer " + b.name() + " changed but the call may not write it");
     }
   }
+  return problems;
+}
+
+std::vector<std::string> MlaCase::check_without_k_rot(const Snapshot& before,
+                                                      const MlaCallOptions& options, int threads) {
+  const Snapshot with = snapshot();
+  const TensorView k_out = tensors.k_out;
+  const HostBuffer* k_buffer = shape.inplace ? kv_ : k_out_;
+  for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i]->restore(before.bytes[i]);
+  tensors.k_out = TensorView{};
+  std::vector<std::string> problems;
+  try {
+    mla_rope_pool_fused(tensors, params, options);
+    for (const std::string& p : check(before, threads)) problems.push_back("without k_pe_rot: " + p);
+  } catch (const std::exception& e) {
+    problems.push_back(std::string("without k_pe_rot: the call threw: ") + e.what());
+  }
+  tensors.k_out = k_out;
+  const Snapshot without = snapshot();
+  for (size_t i = 0; i < buffers_.size(); ++i)
+    if (buffers_[i].get() != k_buffer && with.bytes[i] != without.bytes[i])
+      problems.push_back("without k_pe_rot, buffer " + buffers_[i]->name() +
+                         " differs from the same call with k_pe_rot");
   return problems;
 }
 

@@ -68,7 +68,18 @@ class MlaCase {
   /// SPEC §1 bound, each named cache row = concat(kv_c, k_pe_rot) of a token that names it
   /// (bit for bit; fp8: kv_c by §6's rule exactly, k within one e4m3 step of the exact
   /// value), every other byte (inputs, other rows, row padding, guards) unchanged.
+  /// An empty k_out (SPEC §8 return_k_rot=False): no k_pe_rot check, the k_out buffer (in
+  /// place: k_pe) unchanged, and the k_pe_rot part of each row in q_pe's dtype within the
+  /// SPEC §1 bound of the float64 rotation of its token's k_pe.
   std::vector<std::string> check(const Snapshot& before, int threads = 1) const;
+  /// SPEC §8 return_k_rot=False against the call just made (`before`: the buffers before
+  /// it): the same call again from `before` with an empty k_out passes check() and leaves
+  /// every buffer but the one k_out lives in bit-identical to the first call's (q_out and
+  /// the whole cache, row padding and guards included, exactly as with k_pe_rot). Leaves the
+  /// case as the call without k_pe_rot left it, the k_out view restored.
+  std::vector<std::string> check_without_k_rot(const Snapshot& before,
+                                               const MlaCallOptions& options = {},
+                                               int threads = 1);
 
   float scale_value() const;
   const std::vector<std::unique_ptr<HostBuffer>>& buffers() const { return buffers_; }
