@@ -1,14 +1,15 @@
 // CUDA backend of mla_rope_pool_fused (SPEC §8): one launch of warp items (docs/CUDA.md,
 // "SPEC §8" has the measurements behind each choice).
 //
-// A token's work is one kv item (the k_pe head rotated into k_out, and the whole cache row:
-// kv_c copied bit for bit, or quantised to e4m3, beside the rotated k_pe, which goes into the
-// row from the same registers: fp8 from its float32 value before rounding) and q items of its
-// q_pe heads, up to kQUnits 16-byte units per lane (a unit: a vector of GPT-J pairs, or a
-// vector and its NeoX partner R/2 further on; kN elements on the scalar path) with a head's
-// units in a group of lanes, so a lane's units share their offset and sin/cos. Each warp does
-// one item on its own: no CTA-wide barrier, so warps never wait for one another. Small calls
-// run one warp per CTA (on as many SMs) with fewer units per lane; larger ones 4-warp CTAs.
+// A token's work is one kv item (the k_pe head rotated into k_out, unless the call returns no
+// k_pe_rot, and the whole cache row: kv_c copied bit for bit, or quantised to e4m3, beside the
+// rotated k_pe, which goes into the row from the same registers: fp8 from its float32 value
+// before rounding) and q items of its q_pe heads, up to kQUnits 16-byte units per lane (a
+// unit: a vector of GPT-J pairs, or a vector and its NeoX partner R/2 further on; kN elements
+// on the scalar path) with a head's units in a group of lanes, so a lane's units share their
+// offset and sin/cos. Each warp does one item on its own: no CTA-wide barrier, so warps never
+// wait for one another. Small calls run one warp per CTA (on as many SMs) with fewer units per
+// lane; larger ones 4-warp CTAs.
 //
 // Order of work in a warp, as in rope_pool_fused's kernel: before the PDL wait what reads no
 // memory another grid writes (on small grids every parameter word and the lane's inv_freq
@@ -469,10 +470,12 @@ struct MlaWarp {
     float c[kFreqs], s[kFreqs], y[kN], w[kN];
     table(j, c, s);
     rotate(c, s, ka, kb, y, w);
+    // k_out is null when the call returns no k_pe_rot (SPEC §8, return_k_rot=False).
+    const bool k_rot = p.k_out != nullptr;
     Bits* k_out = static_cast<Bits*>(p.k_out) + t * p.ko_row + j * kN;
     CacheBits* k_row = row_ptr + p.latent_units * kN + j * kN;  // the rotated k_pe after kv_c
     const Raw ry = C::from_float(y);
-    C::store(k_out, ry);
+    if (k_rot) C::store(k_out, ry);
     if (row >= 0) {
       if constexpr (kFp8)
         C::store_e4m3(k_row, y, d);  // before rounding (SPEC §8)
@@ -481,7 +484,7 @@ struct MlaWarp {
     }
     if constexpr (kPair) {
       const Raw rw = C::from_float(w);
-      C::store(k_out + p.half, rw);
+      if (k_rot) C::store(k_out + p.half, rw);
       if (row >= 0) {
         if constexpr (kFp8)
           C::store_e4m3(k_row + p.half, w, d);

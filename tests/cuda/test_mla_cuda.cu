@@ -2,7 +2,9 @@
 // ropepool_mla_kit.hpp) is mirrored to the device between guard bytes, the op runs there,
 // and the results come back into the host buffers for the kit's whole-contract check
 // (every element against the float64 reference, cache rows bit for bit or by the fp8 rule,
-// every other byte unchanged); the device guards are checked too. Also: both kernel paths
+// every other byte unchanged); the device guards are checked too. Every case runs again
+// without k_pe_rot (an empty k_out), which must leave every buffer but k_out's as the call
+// with it did. Also: both kernel paths
 // (16-byte units and the scalar fallback), the launch shapes (one-warp CTAs for small calls,
 // four-warp CTAs beyond; the inv_freq blocks of rope_dim <= 64 and beyond), repeated slots
 // under each guard (one token, the scan with the last writer checked, the row locks), and a
@@ -123,6 +125,44 @@ void check_last_writer(const MlaCase& c, const std::string& what) {
   }
 }
 
+// SPEC §8 return_k_rot=False on the device, after the call with k_pe_rot that left `c` as it
+// is (`before`: the buffers before that call): the same call from `before` with an empty
+// k_out passes the kit's check (the rows' k_pe_rot parts against the float64 rotation, the
+// k_out buffer untouched) and leaves every other buffer bit for bit as the first call did,
+// where that call is deterministic (the row locks of repeated slots beyond 256 tokens let
+// either writer win, so there only the check applies).
+void check_without_k_rot(MlaCase& c, const MlaCase::Snapshot& before, bool deterministic,
+                         const std::string& what) {
+  const std::string name = what + " without k_pe_rot";
+  const MlaCase::Snapshot with = c.snapshot();
+  const TensorView k_out = c.tensors.k_out;
+  const auto* k_data = static_cast<const unsigned char*>(k_out.data);
+  const HostBuffer* k_buffer = nullptr;
+  for (const auto& b : c.buffers()) {
+    const auto* base = static_cast<const unsigned char*>(b->data());
+    if (k_data >= base && k_data < base + b->bytes()) k_buffer = b.get();
+  }
+  for (size_t i = 0; i < c.buffers().size(); ++i) c.buffers()[i]->restore(before.bytes[i]);
+  c.tensors.k_out = TensorView{};
+  Mirror m(c);
+  try {
+    mla_rope_pool_fused(m.tensors(), c.params);
+    cuda_check_slot_errors(0);
+  } catch (const std::exception& e) {
+    fail(name, std::string("threw: ") + e.what());
+    c.tensors.k_out = k_out;
+    return;
+  }
+  m.copy_back(name);
+  for (const std::string& p : c.check(before, 4)) fail(name, p);
+  c.tensors.k_out = k_out;
+  if (!deterministic) return;
+  const MlaCase::Snapshot without = c.snapshot();
+  for (size_t i = 0; i < c.buffers().size(); ++i)
+    if (c.buffers()[i].get() != k_buffer && with.bytes[i] != without.bytes[i])
+      fail(name, "buffer " + c.buffers()[i]->name() + " differs from the call with k_pe_rot");
+}
+
 void run_case(Rng& rng, const MlaShape& s, const std::string& what, int dup_tokens = 0) {
   MlaCase c(s);
   c.randomize(rng);
@@ -140,6 +180,7 @@ void run_case(Rng& rng, const MlaShape& s, const std::string& what, int dup_toke
   m.copy_back(what);
   for (const std::string& p : c.check(before, 4)) fail(what, p);
   if (dup_tokens > 0) check_last_writer(c, what);
+  check_without_k_rot(c, before, dup_tokens == 0 || s.num_tokens <= 256, what);
 }
 
 void bad_slot(Rng& rng) {
