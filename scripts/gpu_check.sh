@@ -16,6 +16,12 @@
 #   GPU_BENCH_CPP_ARGS="--pools --tokens 1,4096" ...   # arguments of the C++ benchmark
 #   GPU_BENCH_ARGS="--tokens 1 --cache-tokens ''" ...  # extra arguments of bench/gpu_bench.py
 #   GPU_BENCH_MLA_ARGS="--heads 128" ...               # and of bench/gpu_bench_mla.py
+#   GPU_CHECK_PREBUILT=dir ...  # the CUDA test, MLA test and benchmark binaries
+#                               # (ropepool_test_cuda, ropepool_test_mla_cuda,
+#                               # ropepool_bench_cuda) built elsewhere for sm_90 from the same
+#                               # tree, in dir or in dir.tar.xz: step 2's CMake build is
+#                               # skipped (the package is still built) and step 3 runs them
+#                               # directly; ctest -LE gpu is skipped, the CLI is not built
 #
 # Expects: nvcc, python3 with torch (CUDA), nanobind, scikit-build-core, pytest, cmake and
 # ninja already installed; downloads nothing (pip runs with --no-build-isolation --no-deps).
@@ -151,7 +157,18 @@ t0=$SECONDS
     $PY -m pip install "${PIP_ARGS[@]}" . >"$LOGS/build.log.pip" 2>&1; echo $? >"$BUILD.pip.rc" ) &
 PIP_PID=$!
 mkdir -p "$BUILD"
-{
+PREBUILT=${GPU_CHECK_PREBUILT:-}
+if [ -n "$PREBUILT" ] && [ ! -d "$PREBUILT" ] && [ -f "$PREBUILT.tar.xz" ]; then
+  mkdir -p "$BUILD/prebuilt" && tar -C "$BUILD/prebuilt" -xJf "$PREBUILT.tar.xz" &&
+    PREBUILT=$BUILD/prebuilt/$(basename "$PREBUILT")
+fi
+if [ -n "$PREBUILT" ]; then
+  {
+    echo "=== prebuilt binaries from ${GPU_CHECK_PREBUILT}: no CMake build"
+    ls -l "$PREBUILT"/ropepool_test_cuda "$PREBUILT"/ropepool_test_mla_cuda \
+      "$PREBUILT"/ropepool_bench_cuda
+  } >"$LOGS/build.log" 2>&1
+else {
   echo "=== cmake configure"
   # -Xptxas -v: the register/spill report of every kernel lands in this log.
   cmake -S . -B "$BUILD/cpp" -G Ninja -DCMAKE_BUILD_TYPE=Release -DROPEPOOL_BUILD_TESTS=ON \
@@ -159,6 +176,7 @@ mkdir -p "$BUILD"
     "-DCMAKE_CUDA_FLAGS=-Xptxas -v" &&
   echo "=== cmake build" && timeout --signal=KILL 420 cmake --build "$BUILD/cpp" -j "$JOBS"
 } >"$LOGS/build.log" 2>&1
+fi
 CPP_RC=$?
 wait $PIP_PID
 PIP_RC=$(cat "$BUILD.pip.rc" 2>/dev/null || echo 1)
@@ -169,7 +187,11 @@ REGS=$(grep -E "Used [0-9]+ registers|spill stores" "$LOGS/build.log" | grep -B1
   awk '{print $6 "r/" $1 "B"}' | sort | uniq -c | awk '{printf "%sx%s ", $1, $2}')
 echo "ptxas: $REGS" >>"$LOGS/build.log"
 step "pip install (CUDA)" $((SECONDS - t0)) "$([ "$PIP_RC" = 0 ] && echo PASS || echo "FAIL(rc=$PIP_RC)")" ""
-step "cmake build (CUDA, tests, CLI)" $((SECONDS - t0)) "$([ $CPP_RC = 0 ] && echo PASS || echo "FAIL(rc=$CPP_RC)")" "ptxas: ${REGS:0:80}"
+if [ -n "$PREBUILT" ]; then
+  step "prebuilt CUDA binaries" 0 "$([ $CPP_RC = 0 ] && echo PASS || echo "FAIL(missing)")" "$GPU_CHECK_PREBUILT"
+else
+  step "cmake build (CUDA, tests, CLI)" $((SECONDS - t0)) "$([ $CPP_RC = 0 ] && echo PASS || echo "FAIL(rc=$CPP_RC)")" "ptxas: ${REGS:0:80}"
+fi
 [ "$PIP_RC" = 0 ] && [ $CPP_RC = 0 ] || tail -n 40 "$LOGS/build.log"
 
 # GPU_CHECK_TESTS=0 skips steps 2b-5 (a benchmark-only rerun of code already tested).
@@ -178,7 +200,7 @@ QUICK=${GPU_CHECK_QUICK:-0}
 [ "$TESTS" = 0 ] && step "tests (steps 2b-5)" 0 "SKIPPED" "GPU_CHECK_TESTS=0"
 
 # --- 2b: ctest (everything but the GPU tests) --------------------------------------------------
-if [ $CPP_RC = 0 ] && [ "$TESTS" != 0 ] && [ "$QUICK" != 1 ]; then
+if [ $CPP_RC = 0 ] && [ "$TESTS" != 0 ] && [ "$QUICK" != 1 ] && [ -z "$PREBUILT" ]; then
   run_step "ctest -LE gpu" "$LOGS/ctest.log" 300 \
     ctest --test-dir "$BUILD/cpp" --output-on-failure --no-tests=error -LE gpu -j "$JOBS"
   NOTES[-1]="$(grep -E 'tests passed|tests failed' "$LOGS/ctest.log" | tail -n 1)"
@@ -186,8 +208,17 @@ fi
 
 # --- 3: the GPU tests (tests/cuda) ---------------------------------------------------------------
 CUDA_TEST=$BUILD/cpp/tests/cuda/ropepool_test_cuda
+MLA_TEST=$BUILD/cpp/tests/cuda/ropepool_test_mla_cuda
 CUDA_BENCH=$BUILD/cpp/bench/cuda/ropepool_bench_cuda
-if [ $CPP_RC = 0 ] && [ "$TESTS" != 0 ]; then
+if [ -n "$PREBUILT" ]; then
+  CUDA_TEST=$PREBUILT/ropepool_test_cuda MLA_TEST=$PREBUILT/ropepool_test_mla_cuda
+  CUDA_BENCH=$PREBUILT/ropepool_bench_cuda
+fi
+if [ $CPP_RC = 0 ] && [ "$TESTS" != 0 ] && [ -n "$PREBUILT" ]; then
+  run_step "CUDA tests (prebuilt: test_cuda, test_mla_cuda)" "$LOGS/selftest.log" 300 \
+    bash -c "'$CUDA_TEST' && '$MLA_TEST'"
+  NOTES[-1]="$(grep -oE 'tests: [0-9]+ checks, [0-9]+ failures|[0-9]+ cases, [0-9]+ failures' "$LOGS/selftest.log" | paste -sd' ')"
+elif [ $CPP_RC = 0 ] && [ "$TESTS" != 0 ]; then
   run_step "ctest -L gpu (CUDA test)" "$LOGS/selftest.log" 300 \
     ctest --test-dir "$BUILD/cpp" --output-on-failure --no-tests=error -L gpu -V
   NOTES[-1]="$(grep -oE 'tests: [0-9]+ checks, [0-9]+ failures' "$LOGS/selftest.log" | tail -n 1)"
@@ -236,7 +267,6 @@ elif [ -x "$CUDA_TEST" ] && [ -x "$SAN" ]; then
 else
   step "compute-sanitizer" 0 "SKIPPED" "no CUDA test binary or no compute-sanitizer"
 fi
-MLA_TEST=$BUILD/cpp/tests/cuda/ropepool_test_mla_cuda
 if [ "$TESTS" != 0 ] && [ "${GPU_CHECK_SANITIZE:-1}" != 0 ] && [ -x "$MLA_TEST" ] && [ -x "$SAN" ]; then
   run_step "compute-sanitizer memcheck (MLA CUDA test)" "$LOGS/sanitizer.log" 300 \
     "$SAN" --tool memcheck --leak-check no --error-exitcode 99 "$MLA_TEST"
