@@ -116,6 +116,7 @@ def mla_rope_pool_fused(
     kv_layout: Optional[str] = None,
     inplace: bool = False,
     check_slots: bool = False,
+    return_k_rot: bool = True,
 ) -> Tuple[Any, Any, Any]:
     """RoPE on the rotary parts of multi-head latent attention, plus the latent-cache write.
 
@@ -136,10 +137,14 @@ def mla_rope_pool_fused(
             runs); stored = e4m3(x / kv_scale). None means 1.0.
         inplace: write q_pe_rot/k_pe_rot into q_pe/k_pe and return them.
         check_slots: also reject repeated slots (and on CUDA raise a bad slot at once).
+        return_k_rot: False: k_pe_rot is neither written nor returned (the result's k_pe_rot
+            is None; k_pe is only read): attention reads k_pe_rot from the cache, so this
+            saves writing it. The cache rows are those of the call with k_pe_rot; with
+            ``inplace`` q_pe is rotated in place and k_pe is left as it was.
 
     Returns:
-        ``(q_pe_rot, k_pe_rot, kv_cache)``; k_pe_rot has k_pe's shape; kv_cache is the very
-        object passed in, written in place.
+        ``(q_pe_rot, k_pe_rot, kv_cache)``; k_pe_rot has k_pe's shape (None with
+        ``return_k_rot=False``); kv_cache is the very object passed in, written in place.
     """
     tensors = (q_pe, k_pe, kv_c, positions, slots, kv_cache)
     if torch is None or not all(isinstance(t, torch.Tensor) for t in tensors):
@@ -148,8 +153,22 @@ def mla_rope_pool_fused(
         q_pe, rope_base, rope_scaling, max_position_embeddings, original_max_position_embeddings,
         seq_len, inv_freq, attention_scaling, schedule, kv_layout, kv_scale)
     interleaved, inplace, check_slots = bool(interleaved), bool(inplace), bool(check_slots)
+    k_rot_wanted = bool(return_k_rot)
     if torch is not None and all(isinstance(t, torch.Tensor) for t in tensors):
         scalars = (scale_tensor, rope_base, interleaved, freqs, att, nhd, scale_value, check_slots)
+        if not k_rot_wanted:
+            # No k_pe_rot: ops of their own, whose schemas name what they write (the cache,
+            # and q_pe in place), so k_pe is only read under torch.compile too.
+            if _plain_eager(tensors):
+                if inplace:
+                    _mla_no_k_rot_inplace_kernel(*tensors, *scalars)
+                    return q_pe, None, kv_cache
+                return _mla_no_k_rot_kernel(*tensors, *scalars), None, kv_cache
+            if inplace:
+                torch.ops.ropepool.mla_rope_pool_fused_no_k_rot_(*tensors, *scalars)
+                return q_pe, None, kv_cache
+            q_rot = torch.ops.ropepool.mla_rope_pool_fused_no_k_rot(*tensors, *scalars)
+            return q_rot, None, kv_cache
         if _plain_eager(tensors):
             # As rope_pool_fused: eager calls on plain tensors run the op's kernel function
             # directly, without the dispatcher's Python overhead.
@@ -169,7 +188,10 @@ def mla_rope_pool_fused(
         raise TypeError(f"{_OP}: {name} is a {type(t).__name__} but other arguments are "
                         "torch.Tensors; pass every array as a torch.Tensor")
     q_rot = q_pe if inplace else _new_array_output(q_pe, "q_pe")
-    k_rot = k_pe if inplace else _new_array_output(k_pe, "k_pe")
+    if not k_rot_wanted:
+        k_rot = None
+    else:
+        k_rot = k_pe if inplace else _new_array_output(k_pe, "k_pe")
     _ropepool.mla_rope_pool_fused_into(
         *tensors, q_rot, k_rot, rope_base=rope_base, interleaved=interleaved, inv_freq=freqs,
         attention_scaling=att, nhd=nhd, kv_scale=scale_value, kv_scale_tensor=scale_tensor,
@@ -182,7 +204,7 @@ def validate_mla_rope_pool(q_pe, k_pe, kv_c, positions, slots, kv_cache, *, rope
                            original_max_position_embeddings=None, seq_len=None, inv_freq=None,
                            attention_scaling=None, schedule=None, interleaved=True,
                            kv_scale=None, kv_layout=None, inplace=False,
-                           check_slots=False) -> None:
+                           check_slots=False, return_k_rot=True) -> None:
     """Only the validation of :func:`mla_rope_pool_fused`: raises what the op would raise
     for these arguments, writes nothing, never waits for a device."""
     tensors = (q_pe, k_pe, kv_c, positions, slots, kv_cache)
@@ -197,6 +219,8 @@ def validate_mla_rope_pool(q_pe, k_pe, kv_c, positions, slots, kv_cache, *, rope
             torch.empty_like(k_pe, memory_format=torch.contiguous_format)
     else:
         q_rot, k_rot = _new_array_output(q_pe, "q_pe"), _new_array_output(k_pe, "k_pe")
+    if not return_k_rot:
+        k_rot = None
     _ropepool.mla_rope_pool_fused_into(
         *tensors, q_rot, k_rot, rope_base=rope_base, interleaved=bool(interleaved),
         inv_freq=freqs, attention_scaling=att, nhd=nhd, kv_scale=scale_value,
@@ -220,6 +244,11 @@ else:
     _LIB.define("mla_rope_pool_fused(Tensor q_pe, Tensor k_pe, Tensor kv_c, Tensor positions, "
                 "Tensor slots, Tensor(a!) kv_cache, " + _TAIL + " -> (Tensor, Tensor)")
     _LIB.define("mla_rope_pool_fused_(Tensor(b!) q_pe, Tensor(c!) k_pe, Tensor kv_c, "
+                "Tensor positions, Tensor slots, Tensor(a!) kv_cache, " + _TAIL + " -> ()")
+    # return_k_rot=False: no k_pe_rot result, and in place only q_pe is written.
+    _LIB.define("mla_rope_pool_fused_no_k_rot(Tensor q_pe, Tensor k_pe, Tensor kv_c, "
+                "Tensor positions, Tensor slots, Tensor(a!) kv_cache, " + _TAIL + " -> Tensor")
+    _LIB.define("mla_rope_pool_fused_no_k_rot_(Tensor(b!) q_pe, Tensor k_pe, Tensor kv_c, "
                 "Tensor positions, Tensor slots, Tensor(a!) kv_cache, " + _TAIL + " -> ()")
 
     def _run(q_pe, k_pe, kv_c, positions, slots, kv_cache, q_rot, k_rot, kv_scale_tensor,
@@ -255,8 +284,21 @@ else:
         _run(q_pe, k_pe, kv_c, positions, slots, kv_cache, q_pe, k_pe, *scalars)
         _increment_version((q_pe, k_pe, kv_cache))
 
+    def _mla_no_k_rot_kernel(q_pe, k_pe, kv_c, positions, slots, kv_cache, *scalars):
+        q_rot = _new_output(q_pe)
+        _run(q_pe, k_pe, kv_c, positions, slots, kv_cache, q_rot, None, *scalars)
+        _increment_version((kv_cache,))
+        return q_rot
+
+    def _mla_no_k_rot_inplace_kernel(q_pe, k_pe, kv_c, positions, slots, kv_cache, *scalars):
+        _run(q_pe, k_pe, kv_c, positions, slots, kv_cache, q_pe, None, *scalars)
+        _increment_version((q_pe, kv_cache))
+
     _LIB.impl("mla_rope_pool_fused", _mla_kernel, "CompositeExplicitAutograd")
     _LIB.impl("mla_rope_pool_fused_", _mla_inplace_kernel, "CompositeExplicitAutograd")
+    _LIB.impl("mla_rope_pool_fused_no_k_rot", _mla_no_k_rot_kernel, "CompositeExplicitAutograd")
+    _LIB.impl("mla_rope_pool_fused_no_k_rot_", _mla_no_k_rot_inplace_kernel,
+              "CompositeExplicitAutograd")
 
     @torch.library.register_fake("ropepool::mla_rope_pool_fused", lib=_LIB)
     def _mla_fake(q_pe, k_pe, kv_c, positions, slots, kv_cache, *scalars):
@@ -265,4 +307,12 @@ else:
 
     @torch.library.register_fake("ropepool::mla_rope_pool_fused_", lib=_LIB)
     def _mla_inplace_fake(q_pe, k_pe, kv_c, positions, slots, kv_cache, *scalars):
+        return None
+
+    @torch.library.register_fake("ropepool::mla_rope_pool_fused_no_k_rot", lib=_LIB)
+    def _mla_no_k_rot_fake(q_pe, k_pe, kv_c, positions, slots, kv_cache, *scalars):
+        return torch.empty_like(q_pe, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("ropepool::mla_rope_pool_fused_no_k_rot_", lib=_LIB)
+    def _mla_no_k_rot_inplace_fake(q_pe, k_pe, kv_c, positions, slots, kv_cache, *scalars):
         return None

@@ -53,8 +53,10 @@ void mla_rope_pool_fused_into(nb::handle q_pe, nb::handle k_pe, nb::handle kv_c,
   std::array<nb::ndarray<nb::ro>, 5> inputs;
   for (size_t i = 0; i < 5; ++i)
     inputs[i] = renamed([&] { return import_input(objects[i], kNames[i], exporter); });
+  // k_out None: no k_pe_rot (SPEC §8 return_k_rot=False), an empty view for the core.
+  const bool k_rot = !k_out.is_none();
   std::array<nb::ndarray<>, 3> outputs;
-  for (size_t i = 0; i < 3; ++i)
+  for (size_t i = 0; i < (k_rot ? 3 : 2); ++i)
     outputs[i] = renamed([&] { return import_output(objects[5 + i], kNames[5 + i], exporter); });
   nb::ndarray<nb::ro> scale;
   MlaTensors t;
@@ -65,7 +67,7 @@ void mla_rope_pool_fused_into(nb::handle q_pe, nb::handle k_pe, nb::handle kv_c,
   t.slots = view_of(inputs[4]);
   t.kv_cache = view_of(outputs[0]);
   t.q_out = view_of(outputs[1]);
-  t.k_out = view_of(outputs[2]);
+  if (k_rot) t.k_out = view_of(outputs[2]);
   if (!kv_scale_tensor.is_none()) {
     scale = renamed([&] { return import_input(kv_scale_tensor, "kv_scale", exporter); });
     t.kv_scale = view_of(scale);
@@ -103,21 +105,22 @@ void mla_rope_pool_fused_into(nb::handle q_pe, nb::handle k_pe, nb::handle kv_c,
 
 void init_mla(nb::module_& m) {
   m.def("mla_rope_pool_fused_into", &mla_rope_pool_fused_into, "q_pe"_a, "k_pe"_a, "kv_c"_a,
-        "positions"_a, "slots"_a, "kv_cache"_a, "q_out"_a, "k_out"_a, nb::kw_only(),
+        "positions"_a, "slots"_a, "kv_cache"_a, "q_out"_a, "k_out"_a.none(), nb::kw_only(),
         "rope_base"_a, "interleaved"_a = true, "inv_freq"_a = nb::none(),
         "attention_scaling"_a = 1.0, "nhd"_a = false, "kv_scale"_a = nb::none(),
         "kv_scale_tensor"_a = nb::none(), "check_slots"_a = false, "stream"_a = 0,
         "exporter"_a = nb::none(), "validate_only"_a = false,
         nb::sig("def mla_rope_pool_fused_into(q_pe: object, k_pe: object, kv_c: object, "
                 "positions: object, slots: object, kv_cache: object, q_out: object, "
-                "k_out: object, *, rope_base: float, interleaved: bool = True, "
+                "k_out: object | None, *, rope_base: float, interleaved: bool = True, "
                 "inv_freq: list[float] | None = None, attention_scaling: float = 1.0, "
                 "nhd: bool = False, kv_scale: float | None = None, "
                 "kv_scale_tensor: object = None, check_slots: bool = False, stream: int = 0, "
                 "exporter: object = None, validate_only: bool = False) -> None"),
         R"doc(Low-level entry point of mla_rope_pool_fused (SPEC §8): rotates q_pe and k_pe
 into the caller-allocated q_out/k_out (which may be q_pe/k_pe) and writes
-concat(kv_c, k_pe_rot) into the kv_cache rows named by slots. `inv_freq` and
+concat(kv_c, k_pe_rot) into the kv_cache rows named by slots; k_out None writes no
+k_pe_rot (SPEC §8 return_k_rot=False). `inv_freq` and
 `attention_scaling` are a precomputed schedule (None: the default schedule of rope_base);
 `nhd` selects the paged cache [pages, page_size, L + R]. Most callers want
 `ropepool.mla_rope_pool_fused`.)doc");
