@@ -48,6 +48,9 @@ TARGET = "ropepool_rope_pool_fused"
 NO_K_ROT_TARGET = "ropepool_rope_pool_fused_no_k_rot"
 #: The XLA FFI target name of mla_rope_pool_fused.
 MLA_TARGET = "ropepool_mla_rope_pool_fused"
+#: The XLA FFI target name of mla_rope_pool_fused with ``return_k_rot=False`` (no k_pe_rot
+#: result).
+MLA_NO_K_ROT_TARGET = "ropepool_mla_rope_pool_fused_no_k_rot"
 
 #: The XLA platforms with handlers: "cpu", plus "CUDA" in builds with the CUDA backend.
 platforms: Tuple[str, ...] = ()
@@ -61,13 +64,16 @@ del _platform, _handlers, _target, _capsule
 # then the norm weights given), results (q_rot, k_rot, k_pool, v_pool); inplace also aliases
 # q and k to q_rot and k_rot. Without k_rot (NO_K_ROT_TARGET): results (q_rot, k_pool,
 # v_pool), inplace aliases q only. MLA: operands (q_pe, k_pe, kv_c, positions, slots,
-# kv_cache), results (q_pe_rot, k_pe_rot, kv_cache).
+# kv_cache), results (q_pe_rot, k_pe_rot, kv_cache); without k_pe_rot (MLA_NO_K_ROT_TARGET)
+# results (q_pe_rot, kv_cache), inplace aliases q_pe only.
 _POOL_ALIASES = {5: 2, 6: 3}
 _INPLACE_ALIASES = {0: 0, 1: 1, 5: 2, 6: 3}
 _NO_K_ROT_POOL_ALIASES = {5: 1, 6: 2}
 _NO_K_ROT_INPLACE_ALIASES = {0: 0, 5: 1, 6: 2}
 _MLA_ALIASES = {5: 2}
 _MLA_INPLACE_ALIASES = {0: 0, 1: 1, 5: 2}
+_MLA_NO_K_ROT_ALIASES = {5: 1}
+_MLA_NO_K_ROT_INPLACE_ALIASES = {0: 0, 5: 1}
 
 # The FFI attributes of each op (the handlers' Keywords / MlaKeywords, python/src/jax.cpp)
 # and their types, explicit: a Python int would follow the x64 mode. A tuple is an array
@@ -85,7 +91,7 @@ _MLA_ATTRIBUTES = dict(
 # once per distinct call, not on every call); q_fp8 (a float8_e4m3fn q_rot) is the result's
 # dtype and k_rot (return_k_rot) the choice of target, not attributes.
 _RopeKeywords = collections.namedtuple("_RopeKeywords", (*_ROPE_ATTRIBUTES, "q_fp8", "k_rot"))
-_MlaKeywords = collections.namedtuple("_MlaKeywords", _MLA_ATTRIBUTES)
+_MlaKeywords = collections.namedtuple("_MlaKeywords", (*_MLA_ATTRIBUTES, "k_rot"))
 
 
 def rope_pool_fused(
@@ -212,7 +218,8 @@ def mla_rope_pool_fused(
     kv_layout: Optional[str] = None,
     inplace: bool = False,
     check_slots: bool = False,
-) -> Tuple[jax.Array, jax.Array, jax.Array]:
+    return_k_rot: bool = True,
+) -> Tuple[jax.Array, Optional[jax.Array], jax.Array]:
     """:func:`ropepool.mla_rope_pool_fused` for JAX (SPEC §8): the same arguments and
     keywords, ``jax.Array``s in and out, usable under ``jax.jit``.
 
@@ -225,6 +232,11 @@ def mla_rope_pool_fused(
     ``[pages, page_size, L + R]``; a float8_e4m3fn cache stores ``e4m3(x / kv_scale)``, with
     ``kv_scale`` a Python float (compiled into the call). q_pe, k_pe and kv_c are whole
     arrays here (a slice of q or of the projection output is an array of its own in JAX).
+
+    ``return_k_rot=False``: k_pe_rot is neither written nor returned (the result's k_pe_rot
+    is None; the custom call has no k_pe_rot result, so XLA allocates no buffer for it).
+    The cache gets what it gets with k_pe_rot; with ``inplace=True`` only q_pe is aliased
+    to q_pe_rot (k_pe is only read: don't donate it).
 
     Validation, slot errors, constants, ``jax.grad`` and ``jax.vmap``: as
     :func:`rope_pool_fused`, with the op's own messages.
@@ -241,7 +253,8 @@ def mla_rope_pool_fused(
                         f"(compiled into the call), got {type(scale_tensor).__name__}")
     keywords = _MlaKeywords(
         rope_base=rope_base, interleaved=bool(interleaved), inv_freq=_tuple(freqs),
-        attention_scaling=att, nhd=nhd, kv_scale=_tuple(scale), check_slots=bool(check_slots))
+        attention_scaling=att, nhd=nhd, kv_scale=_tuple(scale), check_slots=bool(check_slots),
+        k_rot=bool(return_k_rot))
     _ropepool.jax_validate_mla(*_abstract(operands), keywords._asdict())
     return _mla_call(*operands, keywords=keywords, inplace=bool(inplace))
 
@@ -268,6 +281,13 @@ def _rope_call(q, k, v, positions, slots, k_pool, v_pool, *weights, keywords, in
 
 @functools.partial(jax.jit, static_argnames=("keywords", "inplace"))
 def _mla_call(q_pe, k_pe, kv_c, positions, slots, kv_cache, *, keywords, inplace):
+    if not keywords.k_rot:  # no k_pe_rot result at all (return_k_rot=False)
+        results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q_pe, kv_cache))
+        q_rot, kv_cache = _custom_call(
+            "mla_rope_pool_fused", MLA_NO_K_ROT_TARGET, results,
+            _MLA_NO_K_ROT_INPLACE_ALIASES if inplace else _MLA_NO_K_ROT_ALIASES,
+            _attributes(keywords, _MLA_ATTRIBUTES), q_pe, k_pe, kv_c, positions, slots, kv_cache)
+        return q_rot, None, kv_cache
     results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q_pe, k_pe, kv_cache))
     return _custom_call(
         "mla_rope_pool_fused", MLA_TARGET, results,
@@ -375,4 +395,4 @@ def _platform_of(operands) -> str:
 
 
 __all__ = ["rope_pool_fused", "mla_rope_pool_fused", "TARGET", "NO_K_ROT_TARGET", "MLA_TARGET",
-           "platforms"]
+           "MLA_NO_K_ROT_TARGET", "platforms"]

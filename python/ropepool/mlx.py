@@ -179,8 +179,9 @@ def mla_rope_pool_fused(
     kv_layout: Optional[str] = None,
     inplace: bool = False,
     check_slots: bool = False,
+    return_k_rot: bool = True,
     stream: Any = None,
-) -> Tuple["mx.array", "mx.array", "mx.array"]:
+) -> Tuple["mx.array", Optional["mx.array"], "mx.array"]:
     """Multi-head latent attention's RoPE and latent-cache write, as an MLX primitive
     (SPEC §8, §9).
 
@@ -193,6 +194,11 @@ def mla_rope_pool_fused(
     k_pe_rot, kv_cache)``, three new lazy arrays; kv_cache is the updated cache (the donated
     buffer when nothing else references the one passed in, a copy otherwise). ``inplace``,
     ``check_slots``, ``stream``, validation and errors are as in :func:`rope_pool_fused`.
+
+    ``return_k_rot=False``: k_pe_rot is neither written nor returned (the result's k_pe_rot
+    is None; the primitive has no k_pe_rot output, so no buffer is allocated for it); the
+    cache gets what it gets with k_pe_rot, and ``inplace=True`` lets q_pe_rot alone take
+    over its input's buffer.
     """
     rope_base, freqs, att, nhd, scale_value, scale_array = _mla_options(
         q_pe, rope_base, rope_scaling, max_position_embeddings, original_max_position_embeddings,
@@ -201,7 +207,7 @@ def mla_rope_pool_fused(
         q_pe, k_pe, kv_c, positions, slots, kv_cache, rope_base=rope_base,
         interleaved=bool(interleaved), inv_freq=freqs, attention_scaling=att, nhd=nhd,
         kv_scale=scale_value, kv_scale_tensor=scale_array, inplace=bool(inplace),
-        check_slots=bool(check_slots), stream=stream)
+        check_slots=bool(check_slots), return_k_rot=bool(return_k_rot), stream=stream)
 
 
 def _host_table(inv_freq: Any) -> Any:

@@ -248,10 +248,12 @@ ffi::Error run(Device device, void* stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   });
 }
 
+// `k_pe_rot` null: the call without a k_pe_rot result (SPEC §8 return_k_rot=False), k_out
+// empty.
 ffi::Error run_mla(Device device, void* stream, ffi::AnyBuffer q_pe, ffi::AnyBuffer k_pe,
                    ffi::AnyBuffer kv_c, ffi::AnyBuffer positions, ffi::AnyBuffer slots,
                    ffi::AnyBuffer kv_cache, ffi::Result<ffi::AnyBuffer> q_pe_rot,
-                   ffi::Result<ffi::AnyBuffer> k_pe_rot, ffi::Result<ffi::AnyBuffer> kv_cache_out,
+                   ffi::Result<ffi::AnyBuffer>* k_pe_rot, ffi::Result<ffi::AnyBuffer> kv_cache_out,
                    const MlaKeywords& kw) {
   if (!aliased(kv_cache, kv_cache_out))
     return ffi::Error::Internal(
@@ -265,7 +267,7 @@ ffi::Error run_mla(Device device, void* stream, ffi::AnyBuffer q_pe, ffi::AnyBuf
   t.slots = view(slots, device);
   t.kv_cache = view(*kv_cache_out, device);
   t.q_out = view(*q_pe_rot, device);  // q_pe itself with inplace=True (aliased)
-  t.k_out = view(*k_pe_rot, device);
+  if (k_pe_rot) t.k_out = view(**k_pe_rot, device);
   return status([&] {
     RopeSchedule schedule;
     MlaCallOptions options;
@@ -303,7 +305,16 @@ ffi::Error run_mla_cpu(ffi::AnyBuffer q_pe, ffi::AnyBuffer k_pe, ffi::AnyBuffer 
                        ffi::AnyBuffer positions, ffi::AnyBuffer slots, ffi::AnyBuffer kv_cache,
                        ffi::Result<ffi::AnyBuffer> q_pe_rot, ffi::Result<ffi::AnyBuffer> k_pe_rot,
                        ffi::Result<ffi::AnyBuffer> kv_cache_out, MlaKeywords kw) {
-  return run_mla(kCpu, nullptr, q_pe, k_pe, kv_c, positions, slots, kv_cache, q_pe_rot, k_pe_rot,
+  return run_mla(kCpu, nullptr, q_pe, k_pe, kv_c, positions, slots, kv_cache, q_pe_rot, &k_pe_rot,
+                 kv_cache_out, kw);
+}
+
+// mla_rope_pool_fused without the k_pe_rot result (return_k_rot=False): its own FFI target.
+ffi::Error run_mla_cpu_no_k_rot(ffi::AnyBuffer q_pe, ffi::AnyBuffer k_pe, ffi::AnyBuffer kv_c,
+                                ffi::AnyBuffer positions, ffi::AnyBuffer slots,
+                                ffi::AnyBuffer kv_cache, ffi::Result<ffi::AnyBuffer> q_pe_rot,
+                                ffi::Result<ffi::AnyBuffer> kv_cache_out, MlaKeywords kw) {
+  return run_mla(kCpu, nullptr, q_pe, k_pe, kv_c, positions, slots, kv_cache, q_pe_rot, nullptr,
                  kv_cache_out, kw);
 }
 
@@ -339,7 +350,16 @@ ffi::Error run_mla_cuda(void* stream, int32_t device, ffi::AnyBuffer q_pe, ffi::
                         ffi::Result<ffi::AnyBuffer> k_pe_rot,
                         ffi::Result<ffi::AnyBuffer> kv_cache_out, MlaKeywords kw) {
   return run_mla({DeviceType::CUDA, device}, stream, q_pe, k_pe, kv_c, positions, slots,
-                 kv_cache, q_pe_rot, k_pe_rot, kv_cache_out, kw);
+                 kv_cache, q_pe_rot, &k_pe_rot, kv_cache_out, kw);
+}
+
+ffi::Error run_mla_cuda_no_k_rot(void* stream, int32_t device, ffi::AnyBuffer q_pe,
+                                 ffi::AnyBuffer k_pe, ffi::AnyBuffer kv_c,
+                                 ffi::AnyBuffer positions, ffi::AnyBuffer slots,
+                                 ffi::AnyBuffer kv_cache, ffi::Result<ffi::AnyBuffer> q_pe_rot,
+                                 ffi::Result<ffi::AnyBuffer> kv_cache_out, MlaKeywords kw) {
+  return run_mla({DeviceType::CUDA, device}, stream, q_pe, k_pe, kv_c, positions, slots,
+                 kv_cache, q_pe_rot, nullptr, kv_cache_out, kw);
 }
 #endif
 
@@ -378,15 +398,29 @@ auto bind_operands_no_k_rot(Binding b) {
 }
 
 template <typename Binding>
-auto bind_mla_operands(Binding b) {
+auto bind_mla_inputs(Binding&& b) {
   return std::move(b).template Arg<ffi::AnyBuffer>()  // q_pe
       .template Arg<ffi::AnyBuffer>()      // k_pe
       .template Arg<ffi::AnyBuffer>()      // kv_c
       .template Arg<ffi::AnyBuffer>()      // positions
       .template Arg<ffi::AnyBuffer>()      // slots
-      .template Arg<ffi::AnyBuffer>()      // kv_cache
+      .template Arg<ffi::AnyBuffer>();     // kv_cache
+}
+
+template <typename Binding>
+auto bind_mla_operands(Binding b) {
+  return bind_mla_inputs(std::move(b))
       .template Ret<ffi::AnyBuffer>()      // q_pe_rot
       .template Ret<ffi::AnyBuffer>()      // k_pe_rot
+      .template Ret<ffi::AnyBuffer>()      // kv_cache (aliased)
+      .template Attrs<MlaKeywords>();
+}
+
+// return_k_rot=False: no k_pe_rot result (nothing allocated or written for it).
+template <typename Binding>
+auto bind_mla_operands_no_k_rot(Binding b) {
+  return bind_mla_inputs(std::move(b))
+      .template Ret<ffi::AnyBuffer>()      // q_pe_rot
       .template Ret<ffi::AnyBuffer>()      // kv_cache (aliased)
       .template Attrs<MlaKeywords>();
 }
@@ -395,6 +429,8 @@ XLA_FFI_DEFINE_HANDLER(kRopePoolFusedCpu, run_cpu, bind_operands(ffi::Ffi::Bind(
 XLA_FFI_DEFINE_HANDLER(kRopePoolFusedNoKRotCpu, run_cpu_no_k_rot,
                        bind_operands_no_k_rot(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER(kMlaRopePoolFusedCpu, run_mla_cpu, bind_mla_operands(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER(kMlaRopePoolFusedNoKRotCpu, run_mla_cpu_no_k_rot,
+                       bind_mla_operands_no_k_rot(ffi::Ffi::Bind()));
 #ifdef ROPEPOOL_WITH_CUDA
 XLA_FFI_DEFINE_HANDLER(kRopePoolFusedCuda, run_cuda,
                        bind_operands(ffi::Ffi::Bind()
@@ -408,6 +444,10 @@ XLA_FFI_DEFINE_HANDLER(kMlaRopePoolFusedCuda, run_mla_cuda,
                        bind_mla_operands(ffi::Ffi::Bind()
                                              .Ctx<ffi::PlatformStream<void*>>()
                                              .Ctx<ffi::DeviceOrdinal>()));
+XLA_FFI_DEFINE_HANDLER(kMlaRopePoolFusedNoKRotCuda, run_mla_cuda_no_k_rot,
+                       bind_mla_operands_no_k_rot(ffi::Ffi::Bind()
+                                                      .Ctx<ffi::PlatformStream<void*>>()
+                                                      .Ctx<ffi::DeviceOrdinal>()));
 #endif
 
 // "(2, 8, 128)", "(5,)": a shape as JAX prints it (str of a tuple).
@@ -534,8 +574,10 @@ void validate_mla(const std::vector<std::vector<int64_t>>& shapes,
   MlaTensors t;
   t.q_pe = v[0], t.k_pe = v[1], t.kv_c = v[2], t.positions = v[3], t.slots = v[4];
   t.kv_cache = v[5];
-  t.q_out = t.q_pe;  // fresh arrays of q_pe's and k_pe's shape, or q_pe and k_pe (inplace)
-  t.k_out = t.k_pe;
+  // Fresh arrays of q_pe's and k_pe's shape, or q_pe and k_pe (inplace). No k_pe_rot
+  // (return_k_rot=False): k_out empty.
+  t.q_out = t.q_pe;
+  if (r.get<bool>("k_rot")) t.k_out = t.k_pe;
   // (int64 placeholders: every byte of 0 and -1 reads the same as int32; 1-D views only,
   // any other rank is rejected before the values are read)
   std::vector<int64_t> zeros, minus_ones;
@@ -563,6 +605,8 @@ void init_jax(nb::module_& m) {
             nb::capsule(reinterpret_cast<void*>(kRopePoolFusedNoKRotCpu));
         cpu["ropepool_mla_rope_pool_fused"] =
             nb::capsule(reinterpret_cast<void*>(kMlaRopePoolFusedCpu));
+        cpu["ropepool_mla_rope_pool_fused_no_k_rot"] =
+            nb::capsule(reinterpret_cast<void*>(kMlaRopePoolFusedNoKRotCpu));
         handlers["cpu"] = cpu;
 #ifdef ROPEPOOL_WITH_CUDA
         nb::dict cuda;
@@ -571,6 +615,8 @@ void init_jax(nb::module_& m) {
             nb::capsule(reinterpret_cast<void*>(kRopePoolFusedNoKRotCuda));
         cuda["ropepool_mla_rope_pool_fused"] =
             nb::capsule(reinterpret_cast<void*>(kMlaRopePoolFusedCuda));
+        cuda["ropepool_mla_rope_pool_fused_no_k_rot"] =
+            nb::capsule(reinterpret_cast<void*>(kMlaRopePoolFusedNoKRotCuda));
         handlers["CUDA"] = cuda;
 #endif
         return handlers;
@@ -586,7 +632,7 @@ void init_jax(nb::module_& m) {
         "checked when the call runs.");
   m.def("jax_validate_mla", &validate_mla, "shapes"_a, "dtypes"_a, "platform"_a, "keywords"_a,
         "Low-level: validate_mla_rope_pool from the six operands' shapes and dtype names, as "
-        "jax_validate (SPEC §8).");
+        "jax_validate (k_rot False: no k_pe_rot, return_k_rot=False; SPEC §8).");
 }
 
 }  // namespace ropepool::python

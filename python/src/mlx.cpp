@@ -373,41 +373,45 @@ class RopePoolFused : public CachePrimitive {
 };
 
 // mla_rope_pool_fused. Inputs (q_pe, k_pe, kv_c, positions, slots, kv_cache, then kv_scale
-// when it is an array), outputs (q_pe_rot, k_pe_rot, kv_cache).
+// when it is an array), outputs (q_pe_rot, k_pe_rot, kv_cache), or (q_pe_rot, kv_cache)
+// without k_pe_rot (SPEC §8 return_k_rot=False: no k_pe_rot output, nothing allocated or
+// written for it).
 class MlaRopePoolFused : public CachePrimitive {
  public:
   MlaRopePoolFused(mx::Stream stream, MlaParams params,
                    std::shared_ptr<const RopeSchedule> schedule, bool check_slots, bool inplace,
-                   bool scale_input)
+                   bool scale_input, bool k_rot)
       : CachePrimitive(stream, "mla_rope_pool_fused"), params_(params),
         schedule_(std::move(schedule)), check_slots_(check_slots), inplace_(inplace),
-        scale_input_(scale_input) {
+        scale_input_(scale_input), k_rot_(k_rot) {
     params_.schedule = schedule_.get();  // null: the op makes the default schedule
   }
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const int q = inplace_ ? 0 : -1, k = inplace_ ? 1 : -1;
-    dispatch(inputs, outputs, {q, k, 5},
-             [params = params_, schedule = schedule_, check_slots = check_slots_,
-              scale_input = scale_input_](const Task& task) {
-               TaskViews v{task, {}};
-               MlaTensors t;
-               t.q_pe = v.input(0);
-               t.k_pe = v.input(1);
-               t.kv_c = v.input(2);
-               t.positions = v.index(3);
-               t.slots = v.index(4);
-               t.q_out = v.output(0);
-               t.k_out = v.output(1);
-               t.kv_cache = e4m3_bits(v.output(2, 5));
-               if (scale_input) t.kv_scale = v.input(6);
-               MlaCallOptions options;
-               options.check_slots = check_slots;
-               options.format_shape = [](const char*, const TensorView& x) {
-                 return tuple_shape(x);
-               };
-               mla_rope_pool_fused(t, params, options);
-             });
+    auto run = [params = params_, schedule = schedule_, check_slots = check_slots_,
+                scale_input = scale_input_, k_rot = k_rot_](const Task& task) {
+      TaskViews v{task, {}};
+      MlaTensors t;
+      t.q_pe = v.input(0);
+      t.k_pe = v.input(1);
+      t.kv_c = v.input(2);
+      t.positions = v.index(3);
+      t.slots = v.index(4);
+      t.q_out = v.output(0);
+      // without k_pe_rot: k_out stays empty and the cache is output 1
+      if (k_rot) t.k_out = v.output(1);
+      t.kv_cache = e4m3_bits(v.output(k_rot ? 2 : 1, 5));
+      if (scale_input) t.kv_scale = v.input(6);
+      MlaCallOptions options;
+      options.check_slots = check_slots;
+      options.format_shape = [](const char*, const TensorView& x) { return tuple_shape(x); };
+      mla_rope_pool_fused(t, params, options);
+    };
+    if (k_rot_)
+      dispatch(inputs, outputs, {q, k, 5}, std::move(run));
+    else
+      dispatch(inputs, outputs, {q, 5}, std::move(run));
   }
 
   const char* name() const override { return "MlaRopePoolFused"; }
@@ -418,10 +422,12 @@ class MlaRopePoolFused : public CachePrimitive {
            params_.interleaved == o.params_.interleaved &&
            params_.kv_layout == o.params_.kv_layout && params_.kv_scale == o.params_.kv_scale &&
            check_slots_ == o.check_slots_ && inplace_ == o.inplace_ &&
-           scale_input_ == o.scale_input_ && same_schedule(schedule_.get(), o.schedule_.get());
+           scale_input_ == o.scale_input_ && k_rot_ == o.k_rot_ &&
+           same_schedule(schedule_.get(), o.schedule_.get());
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    if (!k_rot_) return {inputs[0].shape(), inputs[5].shape()};
     return {inputs[0].shape(), inputs[1].shape(), inputs[5].shape()};
   }
 
@@ -431,6 +437,7 @@ class MlaRopePoolFused : public CachePrimitive {
   bool check_slots_;
   bool inplace_;
   bool scale_input_;
+  bool k_rot_;  // false: no k_pe_rot output (return_k_rot=False)
 };
 
 mx::array as_array(nb::handle obj, const char* op, const char* name) {
@@ -587,7 +594,8 @@ nb::tuple mla_rope_pool_fused_mlx(nb::handle q_pe, nb::handle k_pe, nb::handle k
                                   std::optional<std::vector<double>> inv_freq,
                                   double attention_scaling, bool nhd,
                                   std::optional<double> kv_scale, nb::handle kv_scale_tensor,
-                                  bool inplace, bool check_slots, StreamArg stream) {
+                                  bool inplace, bool check_slots, bool return_k_rot,
+                                  StreamArg stream) {
   constexpr const char* kOp = "mla_rope_pool_fused";
   const nb::handle objects[6] = {q_pe, k_pe, kv_c, positions, slots, kv_cache};
   std::vector<mx::array> inputs;
@@ -618,7 +626,7 @@ nb::tuple mla_rope_pool_fused_mlx(nb::handle q_pe, nb::handle k_pe, nb::handle k
   views.slots = stand_in(inputs[4], no_writes.data());
   views.kv_cache = e4m3_bits(shape_view(inputs[5]));
   views.q_out = views.q_pe;
-  views.k_out = views.k_pe;
+  if (return_k_rot) views.k_out = views.k_pe;  // else empty: no k_pe_rot (SPEC §8)
   if (scale_input) views.kv_scale = stand_in(inputs[6], &one);
   MlaCallOptions options;
   options.check_slots = check_slots;
@@ -626,12 +634,18 @@ nb::tuple mla_rope_pool_fused_mlx(nb::handle q_pe, nb::handle k_pe, nb::handle k
   validate_mla_rope_pool(views, params, options);
 
   const mx::Stream s = cpu_stream(stream, kOp);
+  auto primitive = std::make_shared<MlaRopePoolFused>(s, params, std::move(schedule),
+                                                      check_slots, inplace, scale_input,
+                                                      return_k_rot);
+  if (!return_k_rot) {  // two outputs: no k_pe_rot array at all
+    auto outputs = mx::array::make_arrays({inputs[0].shape(), inputs[5].shape()},
+                                          {inputs[0].dtype(), inputs[5].dtype()},
+                                          std::move(primitive), inputs);
+    return nb::make_tuple(outputs[0], nb::none(), outputs[1]);
+  }
   auto outputs = mx::array::make_arrays(
       {inputs[0].shape(), inputs[1].shape(), inputs[5].shape()},
-      {inputs[0].dtype(), inputs[1].dtype(), inputs[5].dtype()},
-      std::make_shared<MlaRopePoolFused>(s, params, std::move(schedule), check_slots, inplace,
-                                         scale_input),
-      inputs);
+      {inputs[0].dtype(), inputs[1].dtype(), inputs[5].dtype()}, std::move(primitive), inputs);
   return nb::make_tuple(outputs[0], outputs[1], outputs[2]);
 }
 
@@ -701,8 +715,10 @@ NB_MODULE(_ropepool_mlx, m) {
         "positions"_a, "slots"_a, "kv_cache"_a, nb::kw_only(), "rope_base"_a,
         "interleaved"_a = true, "inv_freq"_a = nb::none(), "attention_scaling"_a = 1.0,
         "nhd"_a = false, "kv_scale"_a = nb::none(), "kv_scale_tensor"_a = nb::none(),
-        "inplace"_a = false, "check_slots"_a = false, "stream"_a = nb::none(),
+        "inplace"_a = false, "check_slots"_a = false, "return_k_rot"_a = true,
+        "stream"_a = nb::none(),
         "Low-level: the MLX primitive of mla_rope_pool_fused with the keywords normalised by "
         "ropepool.mlx (use ropepool.mlx.mla_rope_pool_fused). Returns (q_pe_rot, k_pe_rot, "
-        "kv_cache), lazy.");
+        "kv_cache), lazy; k_pe_rot is None with return_k_rot=False (the primitive then has no "
+        "k_pe_rot output).");
 }

@@ -5,7 +5,8 @@ Every element is compared with the torch path (the same C++ op: bit for bit) on 
 random inputs laid out as DeepSeek's attention makes them (test_mla.Call), and spot-checked
 against transformers' DeepSeek-V3 rotation in float64 and the cache-row contract; donation
 by buffer address and the aliasing in the compiled HLO; validation at trace time by exact
-message. CUDA cases are marked `gpu`.
+message; return_k_rot=False (a custom call of its own, no k_pe_rot result) against the call
+with k_pe_rot. CUDA cases are marked `gpu`.
 """
 
 import functools
@@ -182,6 +183,86 @@ def test_hlo_shows_the_cache_alias(rng):
     donated = jax.jit(f, donate_argnums=(5,)).lower(*args).compile().as_text()
     assert re.search(r"input_output_alias=\{ \{2\}: \(5, \{\}, [\w-]+\) \}", donated), \
         donated.splitlines()[0]
+
+
+# ---- return_k_rot=False (SPEC §8): no k_pe_rot result, the cache as with it --------------
+
+NO_K_ROT_LAYOUTS = {
+    "token": ({}, {}),
+    "nhd16": ({"page_size": 16}, {"kv_layout": "NHD"}),
+    "fp8_nhd": ({"page_size": 8, "cache_dtype": torch.float8_e4m3fn},
+                {"kv_layout": "NHD", "kv_scale": 0.25}),
+    "neox_3d_key": ({"k_3d": True}, {"interleaved": False}),
+}
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["fresh", "inplace"])
+@pytest.mark.parametrize("layout", list(NO_K_ROT_LAYOUTS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_without_k_rot_equals_with_it(platform, rng, dtype, layout, inplace):
+    """Under jax.jit: k_pe_rot is None, q_pe_rot and every element of the cache bit for bit
+    the torch path's call with k_pe_rot; the caller's arrays (not donated) keep their
+    values."""
+    call_kw, extra = NO_K_ROT_LAYOUTS[layout]
+    call = Call(rng, dtype=dtype, device="cpu", T=int(rng.integers(2, 40)), H=16, P=64,
+                **call_kw)
+    kw = deepseek(**extra)
+    want = torch_result(call, platform, **kw)
+    args = jax_args(call, platform)
+    before = [raw_bits(to_torch(x)) for x in args]
+    got = jax.jit(functools.partial(rj.mla_rope_pool_fused, **kw, inplace=inplace,
+                                    return_k_rot=False))(*args)
+    assert len(got) == 3 and got[1] is None
+    assert_same((got[0], got[2]), (want[0], want[2]), ("q_pe_rot", "kv_cache"))
+    assert not np.array_equal(raw_bits(to_torch(got[2])), raw_bits(call.before))  # (written)
+    for name, x, b in zip(("q_pe", "k_pe", "kv_c", "positions", "slots", "kv_cache"), args,
+                          before):
+        np.testing.assert_array_equal(raw_bits(to_torch(x)), b, err_msg=f"{name} changed")
+
+
+def test_without_k_rot_donation_and_hlo(rng):
+    """The call without k_pe_rot is its own custom call with two results (q_pe_rot and the
+    aliased cache: no k_pe_rot buffer); with inplace=True q_pe is aliased to q_pe_rot and
+    k_pe is only read, so donating q_pe and the cache writes the caller's buffers and k_pe
+    keeps its values."""
+    call = Call(rng, dtype="bfloat16", device="cpu", T=5, H=8, P=32)
+    args = jax_args(call, "cpu")
+    f = functools.partial(rj.mla_rope_pool_fused, **deepseek(), inplace=True, return_k_rot=False)
+    lowered = jax.jit(f).lower(*args)
+    assert re.search(r"stablehlo\.custom_call @ropepool_mla_rope_pool_fused_no_k_rot\(",
+                     lowered.as_text())
+    compiled = lowered.compile().as_text()
+    assert "output_to_operand_aliasing={{0}: (0, {}), {1}: (5, {})}" in compiled
+    line = next(x for x in compiled.splitlines()
+                if 'custom_call_target="ropepool_mla_rope_pool_fused_no_k_rot"' in x)
+    assert re.findall(r"bf16\[[\d,]*\]", line.split("custom-call(")[0]) == [
+        "bf16[5,8,64]", "bf16[32,576]"], line
+    with pytest.warns(UserWarning, match="donated buffers were not usable"):
+        # (k_pe donated too: XLA has no result for it, so it is not taken)
+        jax.jit(f, donate_argnums=(1,)).lower(*args).compile()
+
+    want = torch_result(call, "cpu", **deepseek())
+    ptrs = [args[i].unsafe_buffer_pointer() for i in (0, 5)]
+    got = jax.block_until_ready(jax.jit(f, donate_argnums=(0, 5))(*args))
+    assert got[1] is None
+    assert [got[i].unsafe_buffer_pointer() for i in (0, 2)] == ptrs, "a buffer was copied"
+    assert args[0].is_deleted() and args[5].is_deleted() and not args[1].is_deleted()
+    np.testing.assert_array_equal(raw_bits(to_torch(args[1])), raw_bits(call.k_pe),
+                                  err_msg="k_pe changed")
+    assert_same((got[0], got[2]), (want[0], want[2]), ("q_pe_rot", "kv_cache"))
+
+
+def test_without_k_rot_at_trace_time():
+    """k_pe is still validated (it is read); the traced result has no k_pe_rot; JAX has no
+    k_out keyword, so nothing conflicts with return_k_rot=False."""
+    out = traced(return_k_rot=False)
+    assert out[1] is None and out[0].shape == (4, 2, 64) and out[2].shape == (16, 576)
+    for changes in ({"k_pe": ((4, 32), "bfloat16")}, {"k_pe": ((4, 64), "float16")}):
+        with pytest.raises(ValueError) as want:
+            traced(changes)
+        with pytest.raises(ValueError) as got:
+            traced(changes, return_k_rot=False)
+        assert str(got.value) == str(want.value)
 
 
 # ---- validation at trace time (SPEC §2, §8) ----------------------------------------------------

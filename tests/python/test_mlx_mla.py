@@ -5,8 +5,11 @@ Every element (bits) equals ropepool.mla_rope_pool_fused's on the same fresh ran
 (both run the CPU backend), with DeepSeek's layout (q_pe a column slice of q, k_pe and kv_c
 column slices of one projection output); spot checks against transformers' DeepSeek-V3
 rotation (test_mla's oracle); donation against copies; the op's messages at call time; a bad
-slot raising at mx.eval and writing nothing; mx.compile.
+slot raising at mx.eval and writing nothing; mx.compile; return_k_rot=False (a primitive
+with no k_pe_rot output) against the call with k_pe_rot.
 """
+
+import re
 
 import numpy as np
 import pytest
@@ -261,3 +264,91 @@ def test_refusals_gradients_and_empty_call(rng):
     q_rot, k_rot, cache = rmlx.mla_rope_pool_fused(*mx_args(empty), rope_base=10000.0)
     assert q_rot.shape == (0, 16, 64) and k_rot.shape == (0, 64)
     np.testing.assert_array_equal(bits(cache), torch_bits(empty.before))
+
+
+# ---- return_k_rot=False (SPEC §8): no k_pe_rot output, the cache as with it ----------------
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_without_k_rot_equals_with_it(rng, dtype, variant):
+    """k_pe_rot is None; q_pe_rot and every element of the cache have the bits of the torch
+    path's call with k_pe_rot; k_pe keeps its values."""
+    call_kw, kw = VARIANTS[variant]
+    call = Call(rng, dtype=dtype, device="cpu", T=19, H=16, P=64, **call_kw)
+    t_kw, m_kw = dict(kw), dict(kw)
+    if kw.get("kv_scale") == "array":
+        value = float(rng.uniform(0.01, 1.0))
+        t_kw["kv_scale"] = torch.tensor([value], dtype=torch.float32)
+        m_kw["kv_scale"] = mx.array([value], dtype=mx.float32)
+    want = torch_result(call, **t_kw)
+    args = mx_args(call)
+    got = rmlx.mla_rope_pool_fused(*args, **m_kw, return_k_rot=False)
+    assert len(got) == 3 and got[1] is None
+    assert_same_bits((got[0], got[2]), (want[0], want[2]), ("q_pe_rot", "kv_cache"))
+    assert not np.array_equal(bits(got[2]), torch_bits(call.kv_cache))  # (rows were written)
+    np.testing.assert_array_equal(bits(args[1]), torch_bits(call.k_pe), err_msg="k_pe changed")
+
+
+def test_without_k_rot_donation_and_outputs(rng, tmp_path):
+    """The primitive has two outputs (q_pe_rot and the cache: no k_pe_rot array); with
+    inplace=True q_pe_rot takes over q_pe's buffer and the cache its own, k_pe is never
+    given away."""
+    call = Call(rng, dtype="float16", device="cpu", T=8, H=16, P=64)
+    want = torch_result(call, **YARN)
+    q_pe, k_pe, kv_c, pos, slots, cache = mx_args(call)
+    q_pe, k_pe = mx.contiguous(q_pe), mx.contiguous(k_pe)
+    mx.eval(q_pe, k_pe, kv_c, pos, slots, cache)
+    at, k_at = (address(q_pe), address(cache)), address(k_pe)
+    q_rot, none, cache2 = rmlx.mla_rope_pool_fused(q_pe, k_pe, kv_c, pos, slots, cache, **YARN,
+                                                   inplace=True, return_k_rot=False)
+    assert none is None
+    dot = tmp_path / "graph.dot"
+    mx.export_to_dot(str(dot), q_rot)
+    graph = dot.read_text()
+    assert graph.count("MlaRopePoolFused") == 1
+    # (every output of the node is drawn as an array fed by it: two, not three)
+    node = re.search(r"(\w+) \[label =\s*\"MlaRopePoolFused\"", graph)
+    assert node, graph
+    assert len(re.findall(rf"^\s*{node.group(1)} -> ", graph, re.M)) == 2, graph
+    del q_pe, cache
+    mx.eval(q_rot, cache2)
+    assert (address(q_rot), address(cache2)) == at
+    assert_same_bits((q_rot, cache2), (want[0], want[2]), ("q_pe_rot", "kv_cache"))
+    np.testing.assert_array_equal(bits(k_pe), torch_bits(call.k_pe), err_msg="k_pe changed")
+    assert address(k_pe) == k_at
+
+
+def test_without_k_rot_under_mx_compile(rng):
+    """mx.compile traces the two-output primitive: the bits of the torch path."""
+    call = Call(rng, dtype="bfloat16", device="cpu", T=5, H=16, P=32, page_size=8,
+                cache_dtype=FP8)
+    kw = dict(rope_base=10000, schedule=schedule_of("deepseek-v3"), kv_layout="NHD",
+              kv_scale=0.25)
+
+    @mx.compile
+    def step(q_pe, k_pe, kv_c, positions, slots, cache):
+        q_rot, none, cache = rmlx.mla_rope_pool_fused(q_pe, k_pe, kv_c, positions, slots,
+                                                      cache, **kw, return_k_rot=False)
+        assert none is None
+        return q_rot * 2, cache
+
+    got = step(*mx_args(call))
+    want = torch_result(call, **kw)
+    np.testing.assert_array_equal(np.array(got[0].astype(mx.float32)),
+                                  (want[0] * 2).float().numpy())
+    np.testing.assert_array_equal(bits(got[1]), torch_bits(want[2]))
+
+
+def test_without_k_rot_validates_k_pe(rng):
+    """k_pe is still validated (it is read), with the same messages; MLX has no k_out
+    keyword, so nothing conflicts with return_k_rot=False."""
+    for change in (lambda c: _bad(c, "k_pe", c.kv[:, 512:544]),
+                   lambda c: _bad(c, "k_pe", c.k_pe.float())):
+        call = change(Call(rng, dtype="bfloat16", device="cpu", T=4, H=2, P=16))
+        args = [to_mx(t) for t in (call.q_pe, call.k_pe, call.kv_c, call.positions, call.slots,
+                                   call.kv_cache)]
+        with pytest.raises(ValueError) as want:
+            rmlx.mla_rope_pool_fused(*args, rope_base=10000.0)
+        with pytest.raises(ValueError) as got:
+            rmlx.mla_rope_pool_fused(*args, rope_base=10000.0, return_k_rot=False)
+        assert str(got.value) == str(want.value)
