@@ -33,16 +33,25 @@ sets' tokens against the float64 reference (every q_pe_rot/k_pe_rot element with
 every buffer must still hold exactly what that checked call wrote. Reported: median, p10 and
 p90 of the calls that fit in --seconds (at least 10, after 3 warm-up calls).
 
+--k-rot no: the calls write no k_pe_rot (k_out left empty, SPEC §8 return_k_rot=False); the
+check is the same call with k_pe_rot first, then the call without it, which must leave every
+buffer but k_out's as that call did (q_pe_rot and the whole cache bit for bit) and k_out's
+untouched.
+
 bytes per call = T*(2*H*R + 2*R + L)*2 + T*(L + R)*cache_elem + 8*T
-(q_pe, k_pe, kv_c read; q_pe_rot, k_pe_rot, cache rows written; positions, slots), set next
-to the memcpy bandwidth of the same run (read + written, measured before and after the op,
-the faster counts; the buffer as in `ropepool bench`).
+(q_pe, k_pe, kv_c read; q_pe_rot, k_pe_rot, cache rows written; positions, slots; --k-rot no:
+T*R*2 fewer, no k_pe_rot written), set next to the memcpy bandwidth of the same run (read +
+written, measured before and after the op, the faster counts; the buffer as in `ropepool
+bench`).
 
 options:
   --threads N       worker threads (default: ROPEPOOL_NUM_THREADS or all hardware threads)
   --tokens LIST     token counts (default 1,16,256,4096,16384)
   --heads LIST      query heads (default 128,16)
   --cache LIST      cache dtypes, bfloat16 and/or fp8 (default bfloat16,fp8)
+  --k-rot LIST      yes (default: k_pe_rot written to k_out) and/or no (k_out left empty,
+                    return_k_rot=False: only q_pe_rot and the cache rows are written);
+                    yes,no puts both rows of a shape next to each other
   --seconds S       timing budget per row (default 0.5)
   --copy-mib N      memcpy anchor buffer in MiB (default 2 x L3, within 256..1024)
   --rotate-mib N    input bytes to rotate among (default 2 x L3, within 256..1024)
@@ -76,6 +85,7 @@ int run_bench_mla(Args& args) {
   int threads = cpu_num_threads();
   std::vector<int64_t> tokens = {1, 16, 256, 4096, 16384}, heads = {128, 16};
   std::vector<DType> caches = {DType::BFloat16, DType::Float8E4M3FN};
+  std::vector<bool> k_rots = {true};
   double seconds = 0.5;
   int64_t copy_mib = 0, rotate_mib = 0;
   while (!args.done()) {
@@ -101,6 +111,17 @@ int run_bench_mla(Args& args) {
           caches.push_back(DType::Float8E4M3FN);
         else
           throw UsageError{"--cache: expected bfloat16 or fp8, got '" + name + "'"};
+        b = e + 1;
+      }
+    } else if (o == "--k-rot") {
+      k_rots.clear();
+      std::string list = args.value(o);
+      for (size_t b = 0; b <= list.size();) {
+        const size_t e = std::min(list.find(',', b), list.size());
+        const std::string name = list.substr(b, e - b);
+        if (name != "yes" && name != "no")
+          throw UsageError{"--k-rot must be yes or no (or a list of them), got '" + name + "'"};
+        k_rots.push_back(name == "yes");
         b = e + 1;
       }
     } else if (o == "--seconds") {
@@ -133,6 +154,7 @@ int run_bench_mla(Args& args) {
   struct Row {
     int64_t H, T, sets = 1, calls = 0;
     DType cache;
+    bool k_rot = true;
     Percentiles us;
     double gbps = 0;
     bool ok = false;
@@ -142,88 +164,100 @@ int run_bench_mla(Args& args) {
   Rng rng(20240601);
   for (int64_t H : heads)
     for (DType cache : caches)
-      for (int64_t T : tokens) {
-        MlaShape s;
-        s.dtype = DType::BFloat16;
-        s.cache_dtype = cache;
-        s.num_heads = H;
-        const int64_t R = s.rope_dim, L = s.latent_dim;
-        // What one token's slice of the case occupies: q rows [H, nope + R], the projection
-        // row [L + R], q_out/k_out, positions (stride 2) and slots.
-        const int64_t es = int64_t(dtype_size(s.dtype));
-        const int64_t token_bytes = es * (H * (s.nope_dim + R) + L + R + H * R + R) + 3 * 4;
-        Row r{H, T};
-        r.cache = cache;
-        r.sets = std::clamp<int64_t>(int64_t(rotate_bytes) / (T * token_bytes) + 1, 1, 4096);
-        s.num_tokens = r.sets * T;
-        s.pool_size = std::max<int64_t>(65536, 4 * s.num_tokens);
-        s.rope_scaling = deepseek_v3_yarn();
-        if (cache == DType::Float8E4M3FN) s.kv_scale = 0.5;
-        MlaCase c(s);
-        c.randomize(rng);
-        {
-          const MlaCase::Snapshot before = c.snapshot();
-          mla_rope_pool_fused(c.tensors, c.params);
-          const std::vector<std::string> problems = c.check(before, std::max(1, threads));
-          r.ok = problems.empty();
-          if (!r.ok) r.failure = problems.front();
-        }
-        if (!r.ok) {
+      for (int64_t T : tokens)
+        for (bool k_rot : k_rots) {
+          MlaShape s;
+          s.dtype = DType::BFloat16;
+          s.cache_dtype = cache;
+          s.num_heads = H;
+          const int64_t R = s.rope_dim, L = s.latent_dim;
+          // What one token's slice of the case occupies: q rows [H, nope + R], the projection
+          // row [L + R], q_out/k_out, positions (stride 2) and slots.
+          const int64_t es = int64_t(dtype_size(s.dtype));
+          const int64_t token_bytes = es * (H * (s.nope_dim + R) + L + R + H * R + R) + 3 * 4;
+          Row r{H, T};
+          r.cache = cache;
+          r.k_rot = k_rot;
+          r.sets = std::clamp<int64_t>(int64_t(rotate_bytes) / (T * token_bytes) + 1, 1, 4096);
+          s.num_tokens = r.sets * T;
+          s.pool_size = std::max<int64_t>(65536, 4 * s.num_tokens);
+          s.rope_scaling = deepseek_v3_yarn();
+          if (cache == DType::Float8E4M3FN) s.kv_scale = 0.5;
+          MlaCase c(s);
+          c.randomize(rng);
+          {
+            const MlaCase::Snapshot before = c.snapshot();
+            mla_rope_pool_fused(c.tensors, c.params);
+            std::vector<std::string> problems = c.check(before, std::max(1, threads));
+            // --k-rot no: the same call again without k_pe_rot, the same bytes (k_out aside)
+            if (!k_rot && problems.empty())
+              problems = c.check_without_k_rot(before, {}, std::max(1, threads));
+            r.ok = problems.empty();
+            if (!r.ok) r.failure = problems.front();
+          }
+          if (!r.ok) {
+            rows.push_back(r);
+            continue;
+          }
+          const MlaCase::Snapshot checked = c.snapshot();
+          std::vector<MlaTensors> sets;
+          for (int64_t i = 0; i < r.sets; ++i) sets.push_back(slice(c.tensors, i, T));
+          if (!k_rot)
+            for (MlaTensors& t : sets) t.k_out = TensorView{};  // no k_pe_rot from here on
+          std::vector<double> samples;
+          int64_t call = 0;
+          for (; call < 3; ++call) mla_rope_pool_fused(sets[size_t(call % r.sets)], c.params);
+          const auto budget = Clock::now();
+          while (samples.size() < 10 ||
+                 (std::chrono::duration<double>(Clock::now() - budget).count() < seconds &&
+                  samples.size() < 1000000)) {
+            const MlaTensors& t = sets[size_t(call++ % r.sets)];
+            const auto t0 = Clock::now();
+            mla_rope_pool_fused(t, c.params);
+            samples.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+          }
+          // Every set's call rewrites exactly the bytes the checked call wrote.
+          for (; call < 3 + r.sets; ++call)
+            mla_rope_pool_fused(sets[size_t(call % r.sets)], c.params);
+          const std::vector<std::string> changed = c.changes_since(checked);
+          if (!changed.empty()) {
+            r.ok = false;
+            r.failure = "the timed calls changed what the checked call wrote: " + changed.front();
+            rows.push_back(r);
+            continue;
+          }
+          r.calls = int64_t(samples.size());
+          r.us = percentiles(samples);
+          for (double* v : {&r.us.median, &r.us.p10, &r.us.p90}) *v *= 1e6;
+          const double bytes = double(T) * double((2 * H * R + (k_rot ? 2 : 1) * R + L) * es) +
+                               double(T) * double((L + R) * int64_t(dtype_size(cache))) + 8.0 * T;
+          r.gbps = bytes / r.us.median * 1e-3;
           rows.push_back(r);
-          continue;
+          std::fprintf(stderr, "[ropepool bench --mla] H=%lld %s T=%lld k_rot=%s: %.2f us\n",
+                       (long long)H, dtype_name(cache), (long long)T, k_rot ? "yes" : "no",
+                       r.us.median);
         }
-        const MlaCase::Snapshot checked = c.snapshot();
-        std::vector<MlaTensors> sets;
-        for (int64_t i = 0; i < r.sets; ++i) sets.push_back(slice(c.tensors, i, T));
-        std::vector<double> samples;
-        int64_t call = 0;
-        for (; call < 3; ++call) mla_rope_pool_fused(sets[size_t(call % r.sets)], c.params);
-        const auto budget = Clock::now();
-        while (samples.size() < 10 ||
-               (std::chrono::duration<double>(Clock::now() - budget).count() < seconds &&
-                samples.size() < 1000000)) {
-          const MlaTensors& t = sets[size_t(call++ % r.sets)];
-          const auto t0 = Clock::now();
-          mla_rope_pool_fused(t, c.params);
-          samples.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-        }
-        // Every set's call rewrites exactly the bytes the checked call wrote.
-        for (; call < 3 + r.sets; ++call) mla_rope_pool_fused(sets[size_t(call % r.sets)], c.params);
-        const std::vector<std::string> changed = c.changes_since(checked);
-        if (!changed.empty()) {
-          r.ok = false;
-          r.failure = "the timed calls changed what the checked call wrote: " + changed.front();
-          rows.push_back(r);
-          continue;
-        }
-        r.calls = int64_t(samples.size());
-        r.us = percentiles(samples);
-        for (double* v : {&r.us.median, &r.us.p10, &r.us.p90}) *v *= 1e6;
-        const double bytes = double(T) * double((2 * H * R + 2 * R + L) * es) +
-                             double(T) * double((L + R) * int64_t(dtype_size(cache))) + 8.0 * T;
-        r.gbps = bytes / r.us.median * 1e-3;
-        rows.push_back(r);
-        std::fprintf(stderr, "[ropepool bench --mla] H=%lld %s T=%lld: %.2f us\n", (long long)H,
-                     dtype_name(cache), (long long)T, r.us.median);
-      }
   const double copy_after = memcpy_gbps(copy_bytes, threads, 7);
   const double copy = std::max(copy_before, copy_after);
   const double load_at_end = load_average();
   std::printf("memcpy (%zu MiB, %d threads, read + written): %.2f GB/s before, %.2f after; "
               "ratios use the faster\n\n",
               copy_bytes >> 20, threads, copy_before, copy_after);
-  std::printf("%5s %14s %7s %5s %7s %11s %11s %11s %8s %7s  %s\n", "heads", "cache", "tokens",
-              "sets", "calls", "median_us", "p10_us", "p90_us", "GB/s", "memcpy", "check");
+  std::printf("%5s %14s %5s %7s %5s %7s %11s %11s %11s %8s %7s  %s\n", "heads", "cache",
+              "k_rot", "tokens", "sets", "calls", "median_us", "p10_us", "p90_us", "GB/s", "memcpy",
+              "check");
   bool all_ok = true;
   for (const Row& r : rows) {
     all_ok = all_ok && r.ok;
     if (r.ok)
-      std::printf("%5lld %14s %7lld %5lld %7lld %11.2f %11.2f %11.2f %8.2f %6.0f%%  ok\n",
-                  (long long)r.H, dtype_name(r.cache), (long long)r.T, (long long)r.sets,
+      std::printf("%5lld %14s %5s %7lld %5lld %7lld %11.2f %11.2f %11.2f %8.2f %6.0f%%  ok\n",
+                  (long long)r.H, dtype_name(r.cache), r.k_rot ? "yes" : "no", (long long)r.T,
+                  (long long)r.sets,
                   (long long)r.calls, r.us.median, r.us.p10, r.us.p90, r.gbps, 100 * r.gbps / copy);
     else
-      std::printf("%5lld %14s %7lld %5lld %7s %11s %11s %11s %8s %7s  FAILED: %s\n",
-                  (long long)r.H, dtype_name(r.cache), (long long)r.T, (long long)r.sets, "-", "-",
+      std::printf("%5lld %14s %5s %7lld %5lld %7s %11s %11s %11s %8s %7s  FAILED: %s\n",
+                  (long long)r.H, dtype_name(r.cache), r.k_rot ? "yes" : "no", (long long)r.T,
+                  (long long)r.sets, "-", "-",
                   "-", "-", "-", "-", r.failure.c_str());
   }
   std::printf("\nload average (1 min, includes this run): %.2f at start, %.2f at end\n",
