@@ -229,6 +229,28 @@ def test_custom_ops_equal_the_eager_path_and_empty_call(rng):
     assert_same_call(empty, before)
 
 
+def test_schemas_and_versions(rng):
+    """The ops without k_pe_rot write the cache (and q_pe in place), never k_pe; the
+    functional one returns q_pe_rot alone. Autograd learns of the in-place writes."""
+    ops = torch.ops.ropepool
+    for op, written, returns in ((ops.mla_rope_pool_fused_no_k_rot, ["kv_cache"], 1),
+                                 (ops.mla_rope_pool_fused_no_k_rot_, ["q_pe", "kv_cache"], 0)):
+        schema = op.default._schema
+        assert [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write] \
+            == written, str(schema)
+        assert [a.name for a in schema.arguments] == \
+            [a.name for a in ops.mla_rope_pool_fused.default._schema.arguments], str(schema)
+        assert len(schema.returns) == returns and all(r.alias_info is None
+                                                      for r in schema.returns)
+    call = MlaCall(rng, dtype="float32", T=3, H=2, P=8)
+    q_pe, k_pe, *rest = call.args()
+    versions = q_pe._version, k_pe._version, call.kv_cache._version
+    ropepool.mla_rope_pool_fused(q_pe, k_pe, *rest, rope_base=10000.0, inplace=True,
+                                 return_k_rot=False)
+    assert q_pe._version > versions[0] and call.kv_cache._version > versions[2]
+    assert k_pe._version == versions[1]
+
+
 @pytest.mark.parametrize("inplace", [False, True])
 def test_opcheck(kernel_device, rng, inplace):
     """torch.library.opcheck on both ops: their schemas say what they write (the cache, and
