@@ -32,7 +32,9 @@ the GPU's work, not the host's launches (samples where the host still fell behin
 retaken, then counted); medians of --samples (>= 50).
 
 Effective bandwidth counts T*(2*H*64 + 2*64 + 512)*2 + T*576*cache_elem + 8*T bytes (q_pe,
-k_pe, kv_c read; q_pe_rot, k_pe_rot and the cache row written; positions, slots).
+k_pe, kv_c read; q_pe_rot, k_pe_rot and the cache row written; positions, slots). ropepool
+is also timed without k_pe_rot (return_k_rot=False, T*64*2 bytes fewer), in a table of its
+own beside the call with it.
 
 FlashInfer (optional: where `import flashinfer` works, else the output says why and the rest
 runs as before; --no-flashinfer leaves it out) is timed the same way, as the composition of
@@ -46,7 +48,8 @@ Before timing, on input set 0, every contender is checked against independent re
 q_pe_rot/k_pe_rot against eager's within 2 ulp plus SPEC §1's float32 term (eager's own
 against ropepool's, through ropepool's check), the cache rows' kv_c part bit for bit against
 kv_c (fp8: e4m3(kv_c / kv_scale)), their k_pe part bit for bit against the contender's own
-k_pe_rot (fp8: within one e4m3 step of eager's row), every other cache row unchanged.
+k_pe_rot (fp8: within one e4m3 step of eager's row), every other cache row unchanged; the
+call without k_pe_rot, its q_pe_rot and cache rows bit for bit the call's with it.
 tests/python/test_gpu_bench_mla.py runs these checks on the CPU.
 
 Writes full results to --json (default $OUT/gpu_bench_mla.json when $OUT is set; '' for
@@ -178,9 +181,10 @@ class MlaWorkload:
         for "flashinfer", `compiled` is the flashinfer module."""
         if name == "flashinfer":
             return self._flashinfer(compiled)
-        if name == "ropepool":
+        if name in ("ropepool", "no_k_rot"):
             return lambda *a: ropepool.mla_rope_pool_fused(
-                *a, self.cache, rope_base=10000.0, schedule=SCHEDULE, kv_scale=self.scale)
+                *a, self.cache, rope_base=10000.0, schedule=SCHEDULE, kv_scale=self.scale,
+                return_k_rot=name == "ropepool")
         f = eager if name == "eager" else compiled
         return lambda *a: f(*a, self.cache, self.inv_freq64, self.scale or 1.0)
 
@@ -256,9 +260,19 @@ def check(w, contenders):
         kv_want = kv_c.contiguous().view(torch.uint8)
     else:
         kv_want = (kv_c.float() / w.scale).clamp(-448, 448).to(FP8).view(torch.uint8)
-    problems, notes = [], []
+    problems, notes, ropepool_result = [], [], None
     for name, fn in contenders.items():
         (q, k, rows), p = call_and_restore(w, fn, a)
+        if name == "ropepool":
+            ropepool_result = q, rows
+        if k is None:  # no k_pe_rot: q_pe_rot and every written row bit for bit ropepool's
+            if ropepool_result is None:
+                p.append("no k_pe_rot: checked only beside the ropepool contender")
+            elif not (torch.equal(q.view(torch.uint8), ropepool_result[0].view(torch.uint8)) and
+                      torch.equal(rows.view(torch.uint8), ropepool_result[1].view(torch.uint8))):
+                p.append("q_pe_rot or the cache rows differ from the call with k_pe_rot")
+            problems += [f"{name}: {x}" for x in p]
+            continue
         if q.shape != eq.shape or k.shape != ek.shape:
             p.append(f"q_pe_rot/k_pe_rot shapes {list(q.shape)}/{list(k.shape)}, "
                      f"eager's {list(eq.shape)}/{list(ek.shape)}")
@@ -289,7 +303,7 @@ def bench_row(T, H, cache_dtype, args, gen, l2, copy_bps, compiled, fi=None):
     w = MlaWorkload(T, H, cache_dtype, args, gen, l2)
     row = dict(heads=H, cache=str(cache_dtype).removeprefix("torch."), T=T, bytes=w.bytes,
                input_sets=w.n_sets, cold_MB=w.cold_bytes / 1e6)
-    contenders = {name: w.contender(name) for name in ("ropepool", "eager")}
+    contenders = {name: w.contender(name) for name in ("ropepool", "no_k_rot", "eager")}
     if fi is not None:
         contenders["flashinfer"] = w.contender("flashinfer", fi)
         row["flashinfer_bytes"] = w.fi_bytes
@@ -318,8 +332,11 @@ def bench_row(T, H, cache_dtype, args, gen, l2, copy_bps, compiled, fi=None):
         t, row[f"{name}_graph_host_bound"], row["graphs"] = time_graph(fn, w, args.samples,
                                                                        start=w.cursor)
         row[f"{name}_graph_us"] = t * 1e6
+    row["no_k_rot_bytes"] = w.bytes - T * R * 2  # no k_pe_rot written
     for mode in ("call", "b2b"):
         row[f"ropepool_{mode}_pct_copy"] = 100 * w.bytes / (row[f"ropepool_{mode}_us"] * 1e-6) / copy_bps
+        row[f"no_k_rot_{mode}_pct_copy"] = (100 * row["no_k_rot_bytes"] /
+                                            (row[f"no_k_rot_{mode}_us"] * 1e-6) / copy_bps)
         if fi is not None:
             row[f"flashinfer_{mode}_pct_copy"] = (100 * w.fi_bytes / (row[f"flashinfer_{mode}_us"]
                                                                       * 1e-6) / copy_bps)
@@ -397,12 +414,31 @@ def print_table(r):
     for x in rows:
         for note in x["notes"]:
             print(f"H={x['heads']} {x['cache']} T={x['T']} note: {note}")
+    print_no_k_rot_table(r)
     print_flashinfer_table(r)
     host_bound = [f"H={x['heads']} {x['cache']} T={x['T']} {k[:-len('_host_bound')]}: {x[k]}"
                   for x in rows for k in x if k.endswith("_host_bound") and x[k]]
     if host_bound:
         print("samples where the host fell behind the GPU (they include host time): " +
               ", ".join(host_bound))
+
+
+def print_no_k_rot_table(r):
+    rows = [x for x in r["rows"] if "no_k_rot_call_us" in x]
+    if not rows:
+        return
+    print()
+    print("Without k_pe_rot (return_k_rot=False: q_pe_rot and the cache only): GPU us per call "
+          "(call / b2b / graph), its % of the copy ceiling by its own bytes, and its time over "
+          "the call with k_pe_rot")
+    print(f"{'H':>4} {'cache':>5} {'T':>6} | {'with k_pe_rot (us)':^26} | {'without (us)':^26} | "
+          f"{'%copy call':>10} {'%copy b2b':>9} | {'without / with':^22}")
+    for x in rows:
+        print(f"{x['heads']:>4} {SHORT[x['cache']]:>5} {x['T']:>6} | " +
+              " ".join(f"{x[f'ropepool_{m}_us']:>8.2f}" for m in MODES) + " | " +
+              " ".join(f"{x[f'no_k_rot_{m}_us']:>8.2f}" for m in MODES) +
+              f" | {x['no_k_rot_call_pct_copy']:>10.1f} {x['no_k_rot_b2b_pct_copy']:>9.1f} | " +
+              " ".join(f"{x[f'no_k_rot_{m}_us'] / x[f'ropepool_{m}_us']:>6.3f}" for m in MODES))
 
 
 def print_flashinfer_table(r):

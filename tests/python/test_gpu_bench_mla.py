@@ -24,9 +24,10 @@ def _workload(cache_dtype, T=7, H=4):
 def test_every_contender_passes_its_check(cache_dtype):
     w = _workload(cache_dtype)
     assert w.n_sets == 20 and w.q_pe.shape == (20 * 7, 4, 64) and w.q_pe.stride(1) == 192
-    contenders = {name: w.contender(name) for name in ("ropepool", "eager")}
+    contenders = {name: w.contender(name) for name in ("ropepool", "no_k_rot", "eager")}
     problems, _ = gpu_bench_mla.check(w, contenders)
     assert problems == []
+    assert w.contender("no_k_rot")(*w.args_of(1))[1] is None
     # the compile contender with the eager function in torch.compile's place: its plumbing
     assert gpu_bench_mla.check(w, {"compile": w.contender("compile", gpu_bench_mla.eager)}) == ([], [])
     # the cursor: one past the last set handed out, sets taken modulo their number
@@ -61,6 +62,22 @@ def test_the_check_catches_a_wrong_result(cache_dtype):
         assert any(p.startswith(f"{name}: ") and what in p for p in problems), (name, problems)
 
 
+@pytest.mark.parametrize("cache_dtype", CACHES)
+def test_the_check_catches_a_wrong_call_without_k_rot(cache_dtype):
+    w = _workload(cache_dtype)
+    mla = gpu_bench_mla.ropepool.mla_rope_pool_fused
+
+    def no_k_rot_neox(*a):  # NeoX pairs: every q_pe_rot and row differs from the call's
+        return mla(*a, w.cache, rope_base=10000.0, schedule=gpu_bench_mla.SCHEDULE,
+                   kv_scale=w.scale, interleaved=False, return_k_rot=False)
+
+    contenders = {"ropepool": w.contender("ropepool"), "no_k_rot": no_k_rot_neox}
+    problems, _ = gpu_bench_mla.check(w, contenders)
+    assert problems == ["no_k_rot: q_pe_rot or the cache rows differ from the call with k_pe_rot"]
+    problems, _ = gpu_bench_mla.check(w, {"no_k_rot": w.contender("no_k_rot")})
+    assert problems == ["no_k_rot: no k_pe_rot: checked only beside the ropepool contender"]
+
+
 def test_arguments(monkeypatch):
     monkeypatch.delenv("OUT", raising=False)
     a = gpu_bench_mla.parse_args([])
@@ -79,6 +96,8 @@ def test_the_table(capsys):
                ropepool_call_pct_copy=90.0, ropepool_b2b_pct_copy=95.5, eager_b2b_host_bound=2)
     for i, name in enumerate(("ropepool", "eager")):
         row.update({f"{name}_{m}_us": 10.0 * (i + 1) for m in gpu_bench_mla.MODES})
+    row.update({f"no_k_rot_{m}_us": 9.0 for m in gpu_bench_mla.MODES})
+    row.update(no_k_rot_call_pct_copy=98.0, no_k_rot_b2b_pct_copy=99.5)
     result = dict(device="GPU", copy_GBps=4000.0, pool_rows=262144, samples=50, l2_multiple=4.0,
                   rows=[row, dict(row, cache="bfloat16", problems=["ropepool: wrong"], notes=[])],
                   problems=["H=128 bfloat16 T=4096: ropepool: wrong"],
@@ -91,6 +110,10 @@ def test_the_table(capsys):
                                 "20.00", "20.00", "20.00", "|", "-", "-", "-", "|", "90.0",
                                 "95.5", "ok"]
     assert table[1].endswith("ropepool: wrong")
+    assert any(line.startswith("Without k_pe_rot") for line in out)
+    assert table[2].split() == ["128", "fp8", "4096", "|", "10.00", "10.00", "10.00", "|", "9.00",
+                                "9.00", "9.00", "|", "98.0", "99.5", "|", "0.900", "0.900",
+                                "0.900"]
     assert "torch.compile dropped for the float8_e4m3fn cache from H=128 T=1: E: no" in out
     assert any("eager_b2b: 2" in line for line in out) and "CHECK FAILED:" in out
 
