@@ -310,8 +310,9 @@ def test_cuda_equals_the_call_with_k_pe_rot_and_graph(rng):
     for cache_dtype in (None, FP8):
         call = MlaCall(rng, dtype="bfloat16", device="cuda", T=64, H=128, page_size=64,
                        P=1024, cache_dtype=cache_dtype)
-        q_ref, _, ref = with_k_rot(call, **kw)
-        q_rot, k_rot, _ = ropepool.mla_rope_pool_fused(*call.args(), **kw, return_k_rot=False)
+        ckw = kw if cache_dtype is FP8 else dict(kw, kv_scale=None)  # a scale is fp8's only
+        q_ref, _, ref = with_k_rot(call, **ckw)
+        q_rot, k_rot, _ = ropepool.mla_rope_pool_fused(*call.args(), **ckw, return_k_rot=False)
         torch.cuda.synchronize()
         assert k_rot is None
         assert_same_bits(q_rot, q_ref, "q_pe_rot")
