@@ -234,6 +234,14 @@ struct Checker {
   }
 
   void layouts() const {
+    // A view with elements and no memory (a C++ caller's bug) would crash a kernel; a k_out
+    // that has a shape but no data would read as "no k_pe_rot" to a backend, silently.
+    // (Shapes-only validation, data_readable false, has no memory to point to.)
+    for (auto [name, v] : all())
+      if (o.data_readable && v->data == nullptr && v->numel() > 0 && !absent(*v))
+        fail(std::string(name) + " " + shape(name, *v) + " has a null data pointer",
+             v == &t.k_out ? "for a call without k_pe_rot leave k_out empty (a default TensorView)"
+                           : "");
     for (auto [name, v] : all()) {
       if (v->ndim < 2 || v->numel() == 0) continue;
       if (v->shape[v->ndim - 1] > 1 && v->strides[v->ndim - 1] != 1)
@@ -390,6 +398,9 @@ void validate_mla_rope_pool(const MlaTensors& tensors, const MlaParams& params,
 
 void mla_rope_pool_fused(const MlaTensors& tensors, const MlaParams& params,
                          const MlaCallOptions& options) {
+  if (!options.data_readable)
+    throw std::invalid_argument("mla_rope_pool_fused: MlaCallOptions::data_readable = false is "
+                                "for validate_mla_rope_pool only");
   const Checked checked = check(tensors, params, options);
   if (checked.problem.num_tokens == 0) return;
   if (tensors.q_pe.device.type == DeviceType::CUDA)

@@ -428,6 +428,15 @@ struct Checker {
   }
 
   void layouts() const {
+    // A view with elements and no memory (a C++ caller's bug) would crash a kernel; a k_out
+    // that has a shape but no data would read as "no k_rot" to a backend, silently. (Shapes-
+    // only validation, data_readable false, has no memory to point to.)
+    for (auto [a, v] : all())
+      if (o.data_readable && v->data == nullptr && v->numel() > 0 && !absent(a))
+        fail(std::string("rope_pool_fused: ") + arg_name(a) + " " + shape(a, *v) +
+                 " has a null data pointer",
+             a == Arg::k_out ? "for a call without k_rot leave k_out empty (a default TensorView)"
+                             : "");
     for (auto [a, v] : all()) {
       // an empty tensor addresses nothing (frameworks export it with arbitrary strides)
       // (positions/slots are 1-D and read through their stride)

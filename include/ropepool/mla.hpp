@@ -66,6 +66,10 @@ struct MlaCallOptions {
   /// cudaStream_t to run on (CUDA only); nullptr = the legacy default stream.
   void* stream = nullptr;
   MlaShapeFormatter format_shape;  ///< default: "[2, 128, 64]"
+  /// false: the tensors' data pointers may be null (shapes-only validation while a framework
+  /// traces a call, e.g. JAX or MLX, with positions and slots given as stand-in values).
+  /// Only validate_mla_rope_pool takes it; mla_rope_pool_fused rejects it.
+  bool data_readable = true;
 };
 
 /// Runs the op (SPEC §8). Validates everything first and throws ropepool::Error before

@@ -587,6 +587,7 @@ void validate_mla(const std::vector<std::vector<int64_t>>& shapes,
   t.slots.data = minus_ones.data();
   RopeSchedule schedule;
   MlaCallOptions options;
+  options.data_readable = false;  // the tensors have no memory yet
   options.check_slots = kw.check_slots;
   options.format_shape = [](const char*, const TensorView& view) { return tuple_shape(view); };
   validate_mla_rope_pool(t, mla_params_of(kw, schedule), options);

@@ -629,6 +629,7 @@ nb::tuple mla_rope_pool_fused_mlx(nb::handle q_pe, nb::handle k_pe, nb::handle k
   if (return_k_rot) views.k_out = views.k_pe;  // else empty: no k_pe_rot (SPEC §8)
   if (scale_input) views.kv_scale = stand_in(inputs[6], &one);
   MlaCallOptions options;
+  options.data_readable = false;  // lazy arrays: no memory yet
   options.check_slots = check_slots;
   options.format_shape = [](const char*, const TensorView& view) { return tuple_shape(view); };
   validate_mla_rope_pool(views, params, options);

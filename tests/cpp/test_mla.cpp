@@ -282,6 +282,30 @@ TEST(MlaE4m3, EqualsTheRuleForEveryFloat) {
 }
 
 // Every validation message, in SPEC §2's order, each with nothing written.
+// Shapes-only validation (what the JAX and MLX front ends run while a call is traced): views
+// without memory pass it, while validation with readable data rejects them, and the op itself
+// refuses the option, writing nothing.
+TEST_F(Mla, ShapesOnlyValidationTakesNullData) {
+  MlaShape s;
+  s.num_tokens = 4;
+  s.num_heads = 2;
+  MlaCase c(s);
+  c.randomize(rng);
+  MlaTensors nulls = c.tensors;
+  for (TensorView* v : {&nulls.q_pe, &nulls.k_pe, &nulls.kv_c, &nulls.kv_cache, &nulls.q_out,
+                        &nulls.k_out})
+    v->data = nullptr;
+  MlaCallOptions shapes_only;
+  shapes_only.data_readable = false;
+  EXPECT_NO_THROW(validate_mla_rope_pool(nulls, c.params, shapes_only));
+  const Thrown e = thrown_by([&] { validate_mla_rope_pool(nulls, c.params); });
+  EXPECT_TRUE(e.error) << e.other;
+  EXPECT_EQ(e.what, "mla_rope_pool_fused: q_pe [4, 2, 64] has a null data pointer");
+  const MlaCase::Snapshot before = c.snapshot();
+  EXPECT_THROW(mla_rope_pool_fused(c.tensors, c.params, shapes_only), std::invalid_argument);
+  EXPECT_TRUE(c.changes_since(before).empty());
+}
+
 TEST_F(Mla, ValidationMessages) {
   MlaShape s;
   s.num_tokens = 4;
@@ -363,6 +387,12 @@ TEST_F(Mla, ValidationMessages) {
         P + "q_out must have the shape and dtype of q_pe ([4, 2, 16] bfloat16), got [4, 2, 16] float32", s);
   fresh([](MlaCase& c) { c.tensors.kv_c.strides[1] = 2; },
         P + "kv_c must have a contiguous last dimension (stride 1), got strides (48, 2)", s);
+  // A view with elements and no memory; a k_out with a shape and no memory is not "no
+  // k_pe_rot" (only an empty k_out is).
+  fresh([](MlaCase& c) { c.tensors.kv_cache.data = nullptr; },
+        P + "kv_cache [16, 48] has a null data pointer", s);
+  fresh([](MlaCase& c) { c.tensors.k_out.data = nullptr; },
+        P + "k_out [4, 16] has a null data pointer", s);
   fresh([](MlaCase& c) { c.tensors.kv_cache.strides[0] = 8; },
         P + "kv_cache has overlapping or negative strides (8, 1); every element it receives needs its own memory", s);
   // Overlaps (SPEC §3): the cache over an input, an output over the cache, q_pe and k_pe

@@ -491,6 +491,28 @@ TEST_F(Validation, LastDimensionMustBeContiguous) {
   }
 }
 
+TEST_F(Validation, NullDataWithElements) {
+  // A view with elements and no memory: rejected (a kernel would fault), nothing written;
+  // a k_out with a shape and no memory is not "no k_rot" (only an empty k_out is).
+  {
+    auto c = fresh();
+    c->tensors.q.data = nullptr;
+    const Thrown e = expect_rejected(*c, "rope_pool_fused: q [2, 8, 128] has a null data pointer");
+    EXPECT_TRUE(e.hint.empty());
+  }
+  {
+    auto c = fresh();
+    c->tensors.v_pool.data = nullptr;
+    expect_rejected(*c, "rope_pool_fused: v_pool [16, 2, 128] has a null data pointer");
+  }
+  {
+    auto c = fresh();
+    c->tensors.k_out.data = nullptr;
+    const Thrown e = expect_rejected(*c, "rope_pool_fused: k_out [2, 2, 128] has a null data pointer");
+    EXPECT_NE(e.hint.find("leave k_out empty"), std::string::npos) << e.hint;
+  }
+}
+
 TEST_F(Validation, OverlappingOrNegativeOutputStrides) {
   const auto msg = [](const char* arg, const char* strides) {
     return std::string("rope_pool_fused: ") + arg + " has overlapping or negative strides " + strides +
