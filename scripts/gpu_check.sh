@@ -22,6 +22,10 @@
 #                               # tree, in dir or in dir.tar.xz: step 2's CMake build is
 #                               # skipped (the package is still built) and step 3 runs them
 #                               # directly; ctest -LE gpu is skipped, the CLI is not built
+#   GPU_CHECK_PYTHON=0 ...      # no package build, so none of the Python steps (pytest, the
+#                               # decode example, the Python benchmarks): with
+#                               # GPU_CHECK_PREBUILT, a call of the C++ tests and benchmark
+#                               # alone, nothing compiled on the device
 #
 # Expects: nvcc, python3 with torch (CUDA), nanobind, scikit-build-core, pytest, cmake and
 # ninja already installed; downloads nothing (pip runs with --no-build-isolation --no-deps).
@@ -153,8 +157,13 @@ PIP_ARGS+=("-Cbuild-dir=$BUILD/python")
 # The JAX front end is required where jax is installed (a missing header fails the build).
 if $PY -c 'import jax' >/dev/null 2>&1; then HAS_JAX=1; PIP_ARGS+=("-Ccmake.define.ROPEPOOL_WITH_JAX=ON"); else HAS_JAX=0; fi
 t0=$SECONDS
-( CMAKE_BUILD_PARALLEL_LEVEL=$JOBS ROPEPOOL_WITH_CUDA=ON timeout --signal=KILL 420 \
-    $PY -m pip install "${PIP_ARGS[@]}" . >"$LOGS/build.log.pip" 2>&1; echo $? >"$BUILD.pip.rc" ) &
+PYTHON_STEPS=${GPU_CHECK_PYTHON:-1}
+if [ "$PYTHON_STEPS" = 0 ]; then
+  ( : >"$LOGS/build.log.pip"; echo skipped >"$BUILD.pip.rc" ) &
+else
+  ( CMAKE_BUILD_PARALLEL_LEVEL=$JOBS ROPEPOOL_WITH_CUDA=ON timeout --signal=KILL 420 \
+      $PY -m pip install "${PIP_ARGS[@]}" . >"$LOGS/build.log.pip" 2>&1; echo $? >"$BUILD.pip.rc" ) &
+fi
 PIP_PID=$!
 mkdir -p "$BUILD"
 PREBUILT=${GPU_CHECK_PREBUILT:-}
@@ -186,13 +195,17 @@ REGS=$(grep -E "Used [0-9]+ registers|spill stores" "$LOGS/build.log" | grep -B1
   grep -oE "[0-9]+ bytes spill stores|Used [0-9]+ registers" | paste -d' ' - - |
   awk '{print $6 "r/" $1 "B"}' | sort | uniq -c | awk '{printf "%sx%s ", $1, $2}')
 echo "ptxas: $REGS" >>"$LOGS/build.log"
-step "pip install (CUDA)" $((SECONDS - t0)) "$([ "$PIP_RC" = 0 ] && echo PASS || echo "FAIL(rc=$PIP_RC)")" ""
+if [ "$PIP_RC" = skipped ]; then
+  step "pip install (CUDA) and the Python steps" 0 "SKIPPED" "GPU_CHECK_PYTHON=0"
+else
+  step "pip install (CUDA)" $((SECONDS - t0)) "$([ "$PIP_RC" = 0 ] && echo PASS || echo "FAIL(rc=$PIP_RC)")" ""
+fi
 if [ -n "$PREBUILT" ]; then
   step "prebuilt CUDA binaries" 0 "$([ $CPP_RC = 0 ] && echo PASS || echo "FAIL(missing)")" "$GPU_CHECK_PREBUILT"
 else
   step "cmake build (CUDA, tests, CLI)" $((SECONDS - t0)) "$([ $CPP_RC = 0 ] && echo PASS || echo "FAIL(rc=$CPP_RC)")" "ptxas: ${REGS:0:80}"
 fi
-[ "$PIP_RC" = 0 ] && [ $CPP_RC = 0 ] || tail -n 40 "$LOGS/build.log"
+{ [ "$PIP_RC" = 0 ] || [ "$PIP_RC" = skipped ]; } && [ $CPP_RC = 0 ] || tail -n 40 "$LOGS/build.log"
 
 # GPU_CHECK_TESTS=0 skips steps 2b-5 (a benchmark-only rerun of code already tested).
 TESTS=${GPU_CHECK_TESTS:-1}
