@@ -157,15 +157,16 @@ PIP_ARGS+=("-Cbuild-dir=$BUILD/python")
 # The JAX front end is required where jax is installed (a missing header fails the build).
 if $PY -c 'import jax' >/dev/null 2>&1; then HAS_JAX=1; PIP_ARGS+=("-Ccmake.define.ROPEPOOL_WITH_JAX=ON"); else HAS_JAX=0; fi
 t0=$SECONDS
+mkdir -p "$BUILD"
+rm -f "$BUILD/pip.rc"
 PYTHON_STEPS=${GPU_CHECK_PYTHON:-1}
 if [ "$PYTHON_STEPS" = 0 ]; then
-  ( : >"$LOGS/build.log.pip"; echo skipped >"$BUILD.pip.rc" ) &
+  ( : >"$LOGS/build.log.pip"; echo skipped >"$BUILD/pip.rc" ) &
 else
   ( CMAKE_BUILD_PARALLEL_LEVEL=$JOBS ROPEPOOL_WITH_CUDA=ON timeout --signal=KILL 420 \
-      $PY -m pip install "${PIP_ARGS[@]}" . >"$LOGS/build.log.pip" 2>&1; echo $? >"$BUILD.pip.rc" ) &
+      $PY -m pip install "${PIP_ARGS[@]}" . >"$LOGS/build.log.pip" 2>&1; echo $? >"$BUILD/pip.rc" ) &
 fi
 PIP_PID=$!
-mkdir -p "$BUILD"
 PREBUILT=${GPU_CHECK_PREBUILT:-}
 if [ -n "$PREBUILT" ] && [ ! -d "$PREBUILT" ] && [ -f "$PREBUILT.tar.xz" ]; then
   mkdir -p "$BUILD/prebuilt" && tar -C "$BUILD/prebuilt" -xJf "$PREBUILT.tar.xz" &&
@@ -188,7 +189,7 @@ else {
 fi
 CPP_RC=$?
 wait $PIP_PID
-PIP_RC=$(cat "$BUILD.pip.rc" 2>/dev/null || echo 1)
+PIP_RC=$(cat "$BUILD/pip.rc" 2>/dev/null || echo 1)
 cat "$LOGS/build.log.pip" >>"$LOGS/build.log"; rm -f "$LOGS/build.log.pip"
 # Register/spill summary of the CUDA kernels (counts of "N regs, S bytes spilled").
 REGS=$(grep -E "Used [0-9]+ registers|spill stores" "$LOGS/build.log" | grep -B1 "Used" |
