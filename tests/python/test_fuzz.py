@@ -4,10 +4,11 @@ Every example is one call with random shapes, dtypes, keywords, strided views an
 values, over torch CPU tensors or NumPy arrays. q, k, v and the pools are views carved from
 ONE buffer, so arguments can alias. The property: either a clean ValueError/TypeError with
 every input and pool unchanged bit for bit, or a result that
-- shares no byte between an output (the pools; q and k with inplace=True) and another
-  argument (SPEC §3),
+- shares no byte between an output (the pools; q and k with inplace=True, k only when k_rot
+  is returned) and another argument (SPEC §3),
 - is within the SPEC §1 bound of a float64 rotation of the inputs as they were,
-- wrote each pool row named by a slot with one writer's complete row, bit for bit,
+- wrote each pool row named by a slot with one writer's complete row, bit for bit (without
+  k_rot, `return_k_rot=False`: each k pool row within the bound of one writer's rotation),
 - left every other element of the buffer unchanged.
 
 Examples per run: ROPEPOOL_FUZZ_EXAMPLES (default 150, the CI budget); not derandomized,
@@ -168,6 +169,7 @@ def calls(draw):
         kwargs["attention_scaling"] = draw(st.sampled_from([1.0, 0.5, 2.0, 0.0, -1.0, math.nan]))
     kwargs["inplace"] = draw(st.booleans())
     kwargs["check_slots"] = draw(st.booleans())
+    kwargs["return_k_rot"] = draw(st.sampled_from([True, True, True, False]))
     return framework, dtype, arena_size, values, layout, index_dtype, positions, slots, kwargs
 
 
@@ -200,6 +202,14 @@ def check_rotation(name, got, x64, pos, inv_freq, attention, R, interleaved, dty
                              f"(bound {bound[t, h, d]:.3g}), position {pos[t]}")
 
 
+def rotation_holds(*args):
+    try:
+        check_rotation("k_pool row", *args)
+    except AssertionError:
+        return False
+    return True
+
+
 @FUZZ_SETTINGS
 @given(calls())
 def test_fuzz_rope_pool_fused(call):
@@ -223,17 +233,20 @@ def test_fuzz_rope_pool_fused(call):
         np.testing.assert_array_equal(raw_bits(slt), slots_before)
         return
 
-    event("accepted")
+    event("accepted" if kwargs["return_k_rot"] else "accepted, no k_rot")
     assert k_pool is views["k_pool"] and v_pool is views["v_pool"]
     np.testing.assert_array_equal(raw_bits(pos), pos_before)
     np.testing.assert_array_equal(raw_bits(slt), slots_before)
-    inplace = kwargs["inplace"]
+    inplace, with_k_rot = kwargs["inplace"], kwargs["return_k_rot"]
+    if not with_k_rot:
+        assert k_rot is None
     if inplace:
-        assert q_rot is views["q"] and k_rot is views["k"]
+        assert q_rot is views["q"] and (k_rot is views["k"] or not with_k_rot)
 
     # SPEC §3: no output shares an element with another argument.
     covered = {name: set(element_offsets(*layout[name]).tolist()) for name in FLOAT_ARGS}
-    outputs = ["k_pool", "v_pool"] + (["q", "k"] if inplace else [])
+    outputs = ["k_pool", "v_pool"] + (["q"] if inplace else []) + (
+        ["k"] if inplace and with_k_rot else [])
     for out in outputs:
         for other in FLOAT_ARGS:
             if other != out and covered[out] & covered[other]:
@@ -255,7 +268,7 @@ def test_fuzz_rope_pool_fused(call):
         for s in writers:
             may_write |= set(element_offsets(offset + s * strides[0], [1] + shape[1:], strides).tolist())
     if inplace:
-        may_write |= covered["q"] | covered["k"]
+        may_write |= covered["q"] | (covered["k"] if with_k_rot else set())
     after = arena.bits()
     changed = np.nonzero(after != before)[0]
     stray = sorted(set(changed.tolist()) - may_write)
@@ -270,15 +283,22 @@ def test_fuzz_rope_pool_fused(call):
     inv_freq = np.asarray(schedule.inv_freq, dtype=np.float64)
     pos64 = np.asarray(positions, dtype=np.float64)
     angle = np.max(np.abs(pos64[:, None] * inv_freq[None, :])) if inv_freq.size else 0.0
+    rotation = (inv_freq, schedule.attention_scaling, schedule.rotary_dim, kwargs["interleaved"],
+                dtype)
     if not angle > ANGLE_LIMIT:
         for name, got in (("q_rot", q_rot), ("k_rot", k_rot)):
-            check_rotation(name, got, inputs64[name[0]], pos64, inv_freq,
-                           schedule.attention_scaling, schedule.rotary_dim, kwargs["interleaved"],
-                           dtype)
+            if got is not None:
+                check_rotation(name, got, inputs64[name[0]], pos64, *rotation)
 
-    k_rot_bits, k_pool_bits, v_pool_bits = raw_bits(k_rot), raw_bits(k_pool), raw_bits(v_pool)
+    k_pool_bits, v_pool_bits = raw_bits(k_pool), raw_bits(v_pool)
     for s, tokens in writers.items():
-        assert any((k_pool_bits[s] == k_rot_bits[t]).all() for t in tokens), \
-            f"k_pool row {s} is not a complete k_rot row of a token that writes it"
+        if with_k_rot:
+            k_rot_bits = raw_bits(k_rot)
+            assert any((k_pool_bits[s] == k_rot_bits[t]).all() for t in tokens), \
+                f"k_pool row {s} is not a complete k_rot row of a token that writes it"
+        elif not angle > ANGLE_LIMIT:  # no k_rot to compare with: the rotation itself
+            assert any(rotation_holds(k_pool[s:s + 1], inputs64["k"][t:t + 1], pos64[t:t + 1],
+                                      *rotation) for t in tokens), \
+                f"k_pool row {s} is not the rotated k row of a token that writes it"
         assert any((v_pool_bits[s] == v_bits[t]).all() for t in tokens), \
             f"v_pool row {s} is not a complete v row of a token that writes it"
