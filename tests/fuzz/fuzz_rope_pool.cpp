@@ -7,8 +7,9 @@
 //   - the call returns, no output shares a byte with another argument (SPEC §3) except the
 //     exact in-place views q_out == q / k_out == k, q_out/k_out are within the SPEC §1
 //     bound of the float64 reference (computed from the arena as it was), every pool row
-//     named by a slot holds one writer's complete row bit for bit, and every other byte of
-//     the arena is unchanged.
+//     named by a slot holds one writer's complete row bit for bit (with k_out left empty,
+//     SPEC §4's return_k_rot=False, one writer's rotation within the bound), and every other
+//     byte of the arena is unchanged.
 // Anything else (another exception, a wrong byte, a sanitizer report) aborts.
 //
 // Built two ways (tests/fuzz/CMakeLists.txt): with clang's libFuzzer (ROPEPOOL_FUZZ=ON), and
@@ -114,6 +115,10 @@ void describe(const Call& c) {
     for (int i = 0; i < v.ndim; ++i) line += (i ? ", " : "") + std::to_string(v.shape[i]);
     line += "] strides [";
     for (int i = 0; i < v.ndim; ++i) line += (i ? ", " : "") + std::to_string(v.strides[i]);
+    if (v.data == nullptr) {
+      std::fprintf(stderr, "  %s: none (empty view)\n", kArgName[a]);
+      continue;
+    }
     line += "] at arena byte " + std::to_string(static_cast<const uint8_t*>(v.data) - c.arena);
     if ((a == POS || a == SLOTS) && v.ndim == 1 && (v.dtype == DType::Int32 || v.dtype == DType::Int64)) {
       line += " values";
@@ -355,6 +360,9 @@ bool decode(Reader& r, Call& c) {
   if (r.one_in(6)) c.params.attention_scaling = r.pick({1.0, 0.5, 2.0, 0.0, -1.0, double(NAN), 1e30});
   c.options.check_slots = r.u8() & 1;
   c.threads = r.one_in(2) ? 2 : 1;
+  // SPEC §4 return_k_rot=False: k_out left empty, one input in four. Read last, and a byte of
+  // 0 (past an input's end) keeps k_out, so inputs written before decode as they did.
+  if (r.u8() % 4 == 3) c.view[KOUT] = TensorView{};
 
   c.tensors = RopePoolTensors{c.view[Q],     c.view[K],     c.view[V],    c.view[POS], c.view[SLOTS],
                               c.view[KPOOL], c.view[VPOOL], c.view[QOUT], c.view[KOUT]};
@@ -406,18 +414,21 @@ TensorView in_before(const Call& c, TensorView v) {
 
 double max_finite(DType d) { return d == DType::Float32 ? 3.4028234663852886e38 : d == DType::Float16 ? 65504.0 : 3.3895313892515355e38; }
 
-void check_rotation(const Call& c, int in_arg, int out_arg, const RopeSchedule& schedule) {
+// Checks `out` against the float64 rotation of `in_arg` (as it was): every token's rows, or
+// with `only_token` >= 0 that token's rotation against row `out_row` of `out` (a pool row),
+// returning false instead of failing.
+bool check_rotation(const Call& c, int in_arg, const TensorView& out, const char* out_name,
+                    const RopeSchedule& schedule, int64_t only_token = -1, int64_t out_row = 0) {
   const TensorView in = in_before(c, c.view[in_arg]);
-  const TensorView& out = c.view[out_arg];
   const TensorView pos = in_before(c, c.view[POS]);
   const std::vector<double> exact = reference::rotate(in, pos, schedule, c.params.interleaved);
   const int64_t T = in.shape[0], H = in.shape[1], D = in.shape[2], R = schedule.rotary_dim;
   const double gain = std::max(1.0, std::abs(schedule.attention_scaling));
-  for (int64_t t = 0; t < T; ++t)
+  for (int64_t t = only_token < 0 ? 0 : only_token; t < (only_token < 0 ? T : only_token + 1); ++t)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t d = 0; d < D; ++d) {
         const double want = exact[size_t((t * H + h) * D + d)];
-        const double got = reference::load(out, t, h, d);
+        const double got = reference::load(out, only_token < 0 ? t : out_row, h, d);
         bool ok;
         double tol = 0;
         if (std::isnan(want)) {
@@ -437,18 +448,20 @@ void check_rotation(const Call& c, int in_arg, int out_arg, const RopeSchedule& 
           if (!ok && std::isinf(got) && (got > 0) == (want > 0) && std::abs(want) + tol >= max_finite(out.dtype))
             ok = true;
         }
+        if (!ok && only_token >= 0) return false;
         if (!ok) {
           char msg[512];
           std::snprintf(msg, sizeof msg,
                         "%s[%lld, %lld, %lld] = %.9g, exact %.9g (tolerance %.3g); position %lld, "
                         "rotary_dim %lld, interleaved %d, dtype %s, inv_freq[0] %.6g, attention %.6g",
-                        kArgName[out_arg], (long long)t, (long long)h, (long long)d, got, want, tol,
+                        out_name, (long long)t, (long long)h, (long long)d, got, want, tol,
                         (long long)reference::load_index(pos, t), (long long)R, int(c.params.interleaved),
                         dtype_name(out.dtype), schedule.inv_freq.empty() ? 0.0 : schedule.inv_freq[0],
                         schedule.attention_scaling);
           fail(msg);
         }
       }
+  return true;
 }
 
 bool row_bits_equal(const TensorView& pool, int64_t row, const TensorView& src, int64_t t) {
@@ -524,17 +537,26 @@ void check_success(const Call& c) {
   for (int64_t t = 0; t < T; ++t)
     for (double f : schedule.inv_freq)
       max_angle = std::max(max_angle, std::abs(double(reference::load_index(positions, t)) * f));
-  if (!(max_angle > angle_limit)) {
-    check_rotation(c, Q, QOUT, schedule);
-    check_rotation(c, K, KOUT, schedule);
+  const bool k_rot = c.view[KOUT].data != nullptr;  // else return_k_rot=False
+  const bool accurate = !(max_angle > angle_limit);
+  if (accurate) {
+    check_rotation(c, Q, c.view[QOUT], "q_out", schedule);
+    if (k_rot) check_rotation(c, K, c.view[KOUT], "k_out", schedule);
   }
   const TensorView v_before = in_before(c, c.view[V]);
   for (int64_t s = 0; s < P; ++s) {
     const auto& w = writers[size_t(s)];
     if (w.empty()) continue;
-    const bool k_ok = std::any_of(w.begin(), w.end(), [&](int64_t t) { return row_bits_equal(c.view[KPOOL], s, c.view[KOUT], t); });
+    // without k_rot there is nothing to compare the k row with bit for bit: the rotation
+    const bool k_ok = std::any_of(w.begin(), w.end(), [&](int64_t t) {
+      return k_rot ? row_bits_equal(c.view[KPOOL], s, c.view[KOUT], t)
+                   : !accurate || check_rotation(c, K, c.view[KPOOL], "k_pool", schedule, t, s);
+    });
     const bool v_ok = std::any_of(w.begin(), w.end(), [&](int64_t t) { return row_bits_equal(c.view[VPOOL], s, v_before, t); });
-    if (!k_ok) fail("k_pool row " + std::to_string(s) + " is not a complete k_rot row of a token that writes it");
+    if (!k_ok)
+      fail("k_pool row " + std::to_string(s) +
+           (k_rot ? " is not a complete k_rot row of a token that writes it"
+                  : " is not within the bound of the rotated k row of a token that writes it"));
     if (!v_ok) fail("v_pool row " + std::to_string(s) + " is not a complete v row of a token that writes it");
   }
 }
