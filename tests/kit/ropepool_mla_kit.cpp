@@ -299,7 +299,9 @@ std::vector<std::string> MlaCase::check(const Snapshot& before, int threads) con
 }
 
 std::vector<std::string> MlaCase::check_without_k_rot(const Snapshot& before,
-                                                      const MlaCallOptions& options, int threads) {
+                                                      const MlaCallOptions& options, int threads,
+                                                      const std::function<void()>& run,
+                                                      bool same_bits) {
   const Snapshot with = snapshot();
   const TensorView k_out = tensors.k_out;
   const HostBuffer* k_buffer = shape.inplace ? kv_ : k_out_;
@@ -307,12 +309,16 @@ std::vector<std::string> MlaCase::check_without_k_rot(const Snapshot& before,
   tensors.k_out = TensorView{};
   std::vector<std::string> problems;
   try {
-    mla_rope_pool_fused(tensors, params, options);
+    if (run)
+      run();
+    else
+      mla_rope_pool_fused(tensors, params, options);
     for (const std::string& p : check(before, threads)) problems.push_back("without k_pe_rot: " + p);
   } catch (const std::exception& e) {
     problems.push_back(std::string("without k_pe_rot: the call threw: ") + e.what());
   }
   tensors.k_out = k_out;
+  if (!same_bits) return problems;
   const Snapshot without = snapshot();
   for (size_t i = 0; i < buffers_.size(); ++i)
     if (buffers_[i].get() != k_buffer && with.bytes[i] != without.bytes[i])

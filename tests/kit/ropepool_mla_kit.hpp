@@ -4,6 +4,7 @@
 // [T, L + R]), and one checker of the whole contract against the float64 reference.
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -76,10 +77,15 @@ class MlaCase {
   /// it): the same call again from `before` with an empty k_out passes check() and leaves
   /// every buffer but the one k_out lives in bit-identical to the first call's (q_out and
   /// the whole cache, row padding and guards included, exactly as with k_pe_rot). Leaves the
-  /// case as the call without k_pe_rot left it, the k_out view restored.
+  /// case as the call without k_pe_rot left it, the k_out view restored. `run`, when given,
+  /// makes the call instead of mla_rope_pool_fused on the host buffers (a device test runs
+  /// it on copies and brings the results back); `same_bits` false skips the byte comparison,
+  /// for calls whose repeated slots may go to either writer.
   std::vector<std::string> check_without_k_rot(const Snapshot& before,
                                                const MlaCallOptions& options = {},
-                                               int threads = 1);
+                                               int threads = 1,
+                                               const std::function<void()>& run = nullptr,
+                                               bool same_bits = true);
 
   float scale_value() const;
   const std::vector<std::unique_ptr<HostBuffer>>& buffers() const { return buffers_; }
