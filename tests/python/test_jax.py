@@ -120,6 +120,13 @@ def jax_args(case, platform):
     return [to_jax(x, platform) for x in case.args()]
 
 
+def custom_call_results(compiled, target, dtype="bf16"):
+    """The result shapes of the custom call to `target` in compiled HLO text, e.g.
+    ["bf16[7,8,128]", ...]."""
+    call = next(line for line in compiled.splitlines() if f'custom_call_target="{target}"' in line)
+    return re.findall(rf"{dtype}\[[\d,]*\]", call.split("custom-call(")[0])
+
+
 def assert_same(got, want, names=("q_rot", "k_rot", "k_pool", "v_pool")):
     """Every result bit for bit the torch path's (jax.Arrays or torch tensors)."""
     for name, g, w in zip(names, got, want, strict=True):
@@ -362,11 +369,8 @@ def test_without_k_rot_donation_and_hlo(rng):
                      lowered.as_text())
     compiled = lowered.compile().as_text()
     assert "output_to_operand_aliasing={{0}: (0, {}), {1}: (5, {}), {2}: (6, {})}" in compiled
-    call = next(line for line in compiled.splitlines()
-                if 'custom_call_target="ropepool_rope_pool_fused_no_k_rot"' in line)
-    results = call.split("custom-call(")[0]
-    assert re.findall(r"bf16\[[\d,]*\]", results) == [
-        f"bf16[{T},8,{D}]", f"bf16[64,2,{D}]", f"bf16[64,2,{D}]"], call
+    assert custom_call_results(compiled, "ropepool_rope_pool_fused_no_k_rot") == [
+        f"bf16[{T},8,{D}]", f"bf16[64,2,{D}]", f"bf16[64,2,{D}]"], compiled
     with pytest.warns(UserWarning, match="donated buffers were not usable"):
         # (k donated too: XLA has no result for it, so it is not taken)
         jax.jit(f, donate_argnums=(1,)).lower(*args).compile()

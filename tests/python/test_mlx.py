@@ -52,6 +52,18 @@ def torch_bits(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(BITS[t.dtype][0]).numpy()
 
 
+def node_outputs(a: "mx.array", label: str, tmp_path) -> int:
+    """How many arrays the one node called `label` in a's graph feeds (mx.export_to_dot draws
+    every output of a node as an array fed by it)."""
+    dot = tmp_path / "graph.dot"
+    mx.export_to_dot(str(dot), a)
+    graph = dot.read_text()
+    assert graph.count(label) == 1, graph
+    node = re.search(rf"(\w+) \[label =\s*\"{label}\"", graph)
+    assert node, graph
+    return len(re.findall(rf"^\s*{node.group(1)} -> ", graph, re.M))
+
+
 def address(a: "mx.array") -> int:
     """Where an evaluated array's data lives (the NumPy view is dropped at once, so it holds
     no reference that would stop a donation)."""
@@ -317,14 +329,7 @@ def test_without_k_rot_donation_and_outputs(rng, tmp_path):
     q_rot, none, kp2, vp2 = rmlx.rope_pool_fused(q, k, v, pos, slots, kp, vp, **KW, inplace=True,
                                                  return_k_rot=False)
     assert none is None
-    dot = tmp_path / "graph.dot"
-    mx.export_to_dot(str(dot), q_rot)
-    graph = dot.read_text()
-    assert graph.count("RopePoolFused") == 1
-    # (every output of the node is drawn as an array fed by it: three, not four)
-    node = re.search(r"(\w+) \[label =\s*\"RopePoolFused\"", graph)
-    assert node, graph
-    assert len(re.findall(rf"^\s*{node.group(1)} -> ", graph, re.M)) == 3, graph
+    assert node_outputs(q_rot, "RopePoolFused", tmp_path) == 3  # three outputs, not four
     del q, kp, vp
     mx.eval(q_rot, kp2, vp2)
     assert (address(q_rot), address(kp2), address(vp2)) == at
