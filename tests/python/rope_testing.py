@@ -98,10 +98,17 @@ class Case:
         return dict(head_dim=self.head_dim, num_qo_heads=self.num_qo_heads,
                     num_kv_heads=self.num_kv_heads, rope_base=self.rope_base, **extra)
 
+    ARGS = ("q", "k", "v", "positions", "slots", "k_pool", "v_pool")
+
     def snapshot(self):
-        self.before = {name: raw_bits(getattr(self, name)) for name in
-                       ("q", "k", "v", "positions", "slots", "k_pool", "v_pool")}
+        self.before = {name: raw_bits(getattr(self, name)) for name in self.ARGS}
         return self
+
+    def copy_from(self, other):
+        """Every argument's contents replaced by other's, in place (torch): the buffers a
+        captured CUDA graph reads stay the same."""
+        for name in self.ARGS:
+            getattr(self, name).copy_(getattr(other, name))
 
     def assert_unchanged(self, *names):
         for name in names or self.before:
@@ -181,6 +188,21 @@ def default_call(case, **kw):
     q_rot, k_rot, _, _ = ropepool.rope_pool_fused(*case.args()[:5], k_pool, v_pool,
                                                   **case.kwargs(**kw))
     return q_rot, k_rot, k_pool, v_pool
+
+
+def capture_graph(call, warmups=2):
+    """call() run `warmups` times on a side stream, then captured there in a CUDA graph:
+    (the graph, what the captured call returned)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):  # outside capture
+            call()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            out = call()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph, out
 
 
 def assert_pool_writes(case, k_rot):

@@ -292,8 +292,7 @@ def test_cuda_graph_capture_and_replay(rng):
     for _ in range(2):
         fresh = make_case("torch", "bfloat16", rng, T=T, Hq=Hq, Hk=Hk, D=D, P=P, device="cuda",
                           rope_base=500000.0)
-        for name in ("q", "k", "v", "positions", "slots", "k_pool", "v_pool"):
-            getattr(case, name).copy_(getattr(fresh, name))
+        case.copy_from(fresh)
         case.snapshot()
         q_rot.fill_(float("nan"))
         graph.replay()

@@ -14,7 +14,7 @@ import torch
 
 import ropepool
 import ropepool._mla
-from rope_testing import assert_same_bits
+from rope_testing import assert_same_bits, capture_graph
 
 FP8 = torch.float8_e4m3fn
 TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -320,14 +320,8 @@ def test_cuda_equals_the_call_with_k_pe_rot_and_graph(rng):
 
     call = MlaCall(rng, dtype="bfloat16", device="cuda", T=32, H=16, page_size=16, P=256,
                    cache_dtype=FP8)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        ropepool.mla_rope_pool_fused(*call.args(), **kw, return_k_rot=False)  # warm-up
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            out = ropepool.mla_rope_pool_fused(*call.args(), **kw, return_k_rot=False)
-    torch.cuda.current_stream().wait_stream(side)
+    graph, out = capture_graph(
+        lambda: ropepool.mla_rope_pool_fused(*call.args(), **kw, return_k_rot=False), warmups=1)
     assert out[1] is None
     for _ in range(2):
         fresh = MlaCall(rng, dtype="bfloat16", device="cuda", T=32, H=16, page_size=16,

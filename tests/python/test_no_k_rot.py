@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ropepool
-from rope_testing import assert_same_bits, default_call, make_case
+from rope_testing import assert_same_bits, capture_graph, default_call, make_case
 
 FP8 = torch.float8_e4m3fn
 
@@ -186,22 +186,12 @@ def test_cuda_graph_capture(rng):
     T_, Hq, Hk, D_, P_ = 32, 8, 2, 128, 96
     case = make_case("torch", "bfloat16", rng, T=T_, Hq=Hq, Hk=Hk, D=D_, P=P_, device="cuda")
     q_out = torch.empty_like(case.q)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            ropepool.rope_pool_fused(*case.args(), **case.kwargs(q_out=q_out, return_k_rot=False))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            out = ropepool.rope_pool_fused(*case.args(),
-                                           **case.kwargs(q_out=q_out, return_k_rot=False))
-    torch.cuda.current_stream().wait_stream(side)
+    graph, out = capture_graph(lambda: ropepool.rope_pool_fused(
+        *case.args(), **case.kwargs(q_out=q_out, return_k_rot=False)))
     assert out[0] is q_out and out[1] is None
     for _ in range(2):
-        fresh = make_case("torch", "bfloat16", rng, T=T_, Hq=Hq, Hk=Hk, D=D_, P=P_,
-                          device="cuda", rope_base=case.rope_base)
-        for name in ("q", "k", "v", "positions", "slots", "k_pool", "v_pool"):
-            getattr(case, name).copy_(getattr(fresh, name))
+        case.copy_from(make_case("torch", "bfloat16", rng, T=T_, Hq=Hq, Hk=Hk, D=D_, P=P_,
+                                 device="cuda", rope_base=case.rope_base))
         q_out.fill_(float("nan"))
         q_ref, _, k_pool, v_pool = default_call(case)
         graph.replay()

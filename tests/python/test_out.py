@@ -12,7 +12,8 @@ import torch
 
 import ropepool
 import ropepool._op
-from rope_testing import assert_same_bits, copy_pools, default_call, make_case, raw_bits
+from rope_testing import (assert_same_bits, capture_graph, copy_pools, default_call, make_case,
+                          raw_bits)
 
 FP8 = torch.float8_e4m3fn
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -555,21 +556,12 @@ def test_cuda_graph_capture_with_out_buffers(rng):
     T_, Hq, Hk, D_, P_ = 32, 8, 2, 128, 96
     case = make_case("torch", "bfloat16", rng, T=T_, Hq=Hq, Hk=Hk, D=D_, P=P_, device="cuda")
     q_out, k_out = poisoned_like(case.q), poisoned_like(case.k)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # warm-up outside capture
-            ropepool.rope_pool_fused(*case.args(), **case.kwargs(q_out=q_out, k_out=k_out))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            out = ropepool.rope_pool_fused(*case.args(), **case.kwargs(q_out=q_out, k_out=k_out))
-    torch.cuda.current_stream().wait_stream(side)
+    graph, out = capture_graph(
+        lambda: ropepool.rope_pool_fused(*case.args(), **case.kwargs(q_out=q_out, k_out=k_out)))
     assert out[0] is q_out and out[1] is k_out
     for _ in range(2):
-        fresh = make_case("torch", "bfloat16", rng, T=T_, Hq=Hq, Hk=Hk, D=D_, P=P_,
-                          device="cuda", rope_base=case.rope_base)
-        for name in ("q", "k", "v", "positions", "slots", "k_pool", "v_pool"):
-            getattr(case, name).copy_(getattr(fresh, name))
+        case.copy_from(make_case("torch", "bfloat16", rng, T=T_, Hq=Hq, Hk=Hk, D=D_, P=P_,
+                                 device="cuda", rope_base=case.rope_base))
         poison(q_out)
         poison(k_out)
         q_ref, k_ref, k_pool_ref, v_pool_ref = default_call(case)

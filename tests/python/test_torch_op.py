@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import ropepool
-from rope_testing import Case, assert_pool_writes, assert_within_bound, make_case, raw_bits
+from rope_testing import (Case, assert_pool_writes, assert_within_bound, capture_graph, make_case,
+                          raw_bits)
 
 
 def clone_case(case):
@@ -155,18 +156,9 @@ def test_cuda_side_stream_and_graph_replay(rng):
     if not ropepool.cuda_backend:
         pytest.skip("this ropepool build has no CUDA backend")
     case = make_case("torch", "bfloat16", rng, T=32, Hq=8, Hk=2, D=128, P=96, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # warm-up outside capture
-            _op_alone(*case.args(), **case.kwargs())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            q_rot, k_rot, _, _ = _op_alone(*case.args(), **case.kwargs())
-    torch.cuda.current_stream().wait_stream(side)
-    fresh = make_case("torch", "bfloat16", rng, T=32, Hq=8, Hk=2, D=128, P=96, device="cuda")
-    for name in ("q", "k", "v", "positions", "slots", "k_pool", "v_pool"):
-        getattr(case, name).copy_(getattr(fresh, name))
+    graph, (q_rot, k_rot, _, _) = capture_graph(lambda: _op_alone(*case.args(), **case.kwargs()))
+    case.copy_from(make_case("torch", "bfloat16", rng, T=32, Hq=8, Hk=2, D=128, P=96,
+                             device="cuda"))
     case.snapshot()
     graph.replay()
     torch.cuda.synchronize()
