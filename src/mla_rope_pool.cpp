@@ -73,7 +73,7 @@ struct Checker {
   // default TensorView), SPEC §8 return_k_rot=False, where k_pe_rot is not written at all and
   // the backends get a null k_out.
   bool absent(const TensorView& v) const {
-    return &v == &t.k_out && t.k_out.data == nullptr && t.k_out.ndim == 0;
+    return &v == &t.k_out && detail::unset_view(t.k_out);
   }
   const char* cache_form() const {
     return paged() ? "[pages, page_size, kv_lora_rank + rope_dim]"

@@ -112,7 +112,7 @@ struct Checker {
   // An argument the call does not have, which no check applies to: k_out left empty (a
   // default TensorView), SPEC §4 return_k_rot=False, where k_rot is not written at all and
   // the backends get a null k_out.
-  bool absent(Arg a) const { return a == Arg::k_out && t.k_out.data == nullptr && t.k_out.ndim == 0; }
+  bool absent(Arg a) const { return a == Arg::k_out && detail::unset_view(t.k_out); }
 
   static bool fp8_pools(const TensorView& k_pool, const TensorView& v_pool) {
     return k_pool.dtype == DType::Float8E4M3FN && v_pool.dtype == DType::Float8E4M3FN;

@@ -1,5 +1,6 @@
 // Pieces of validation that more than one op's validation layer uses (src/rope_pool.cpp,
-// src/mla_rope_pool.cpp): view comparisons, stride printing and SPEC §1's angle limit.
+// src/mla_rope_pool.cpp): view comparisons, an unset optional output, stride printing and
+// SPEC §1's angle limit.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +13,9 @@
 namespace ropepool::detail {
 
 bool same_shape(const TensorView& a, const TensorView& b);
+/// A default TensorView (no data, no dimensions): how a call leaves out an optional output,
+/// k_out for SPEC §4's and §8's return_k_rot=False.
+inline bool unset_view(const TensorView& v) { return v.data == nullptr && v.ndim == 0; }
 /// The same memory, dtype, shape and strides (of every dimension of extent > 1): an output
 /// that is its input (in-place rotation).
 bool same_view(const TensorView& a, const TensorView& b);
