@@ -8,7 +8,8 @@
 // Per token: one sin/cos table (R/2 entries) shared by every q and k head of the token;
 // per head: load pairs (x[i], x[i + R/2]) widened to float32, rotate, round once and store.
 // A kv head's rotated row goes to k_out and to its pool row from the same registers, and its
-// v row is copied to the v pool row.
+// v row is copied to the v pool row. The rows a few tokens ahead are prefetched into L2 as
+// the heads are rotated, and large calls store with non-temporal stores.
 //
 // bfloat16 rows take a permute-free path: a bf16 is the top half of a float32, so one vector
 // of 2N bf16 read as N uint32 lanes yields the even-indexed elements (shift left 16) and the
@@ -241,6 +242,25 @@ HWY_INLINE void CopyBytes(void* dst, const void* src, size_t n, bool stream) {
   size_t i = 0;
   for (; i + N <= n; i += N) hn::Stream(hn::LoadU(d8, in + i), d8, out + i);
   std::memcpy(out + i, in + i, n - i);
+}
+
+// Every 64-byte line of [p, p + bytes), bytes > 0, into L1.
+HWY_INLINE void PrefetchBytes(const void* p, int64_t bytes) {
+  const uintptr_t last = reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes) - 1;
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63); a <= last; a += 64)
+    hwy::Prefetch(reinterpret_cast<const char*>(a));
+}
+
+// The same into L2 (x86 prefetcht1, Arm PLDL2KEEP; where the compiler has no such hint, L1).
+HWY_INLINE void PrefetchBytesL2(const void* p, int64_t bytes) {
+  const uintptr_t last = reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes) - 1;
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63); a <= last; a += 64) {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(reinterpret_cast<const char*>(a), 0, 2);
+#else
+    hwy::Prefetch(reinterpret_cast<const char*>(a));
+#endif
+  }
 }
 
 // GPT-J pairs (x[j], x[j+1]) from an even j up to rotary_dim, one at a time, then the
@@ -1354,8 +1374,21 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
       }
     }
   };
+  // The inputs of token t + ahead (q, k and v rows) are prefetched into L2 head by head as
+  // token t's heads are rotated, about kPrefetchAheadBytes ahead of the reads. The hardware
+  // prefetchers alone kept too few of these streams' misses in flight: the loads waited
+  // between bursts of arithmetic, and a large call took about its in-cache time plus the copy
+  // time of its bytes (NOTES.md, 2026-12-06).
+  constexpr int64_t kPrefetchAheadBytes = 16384;
+  const int64_t row_bytes = D * int64_t(sizeof(T));
+  const int64_t q_heads = std::max<int64_t>(0, std::min(block.head_end, Hq) - block.head_begin);
+  const int64_t kv_heads = std::max<int64_t>(0, kv_end - kv_begin);  // kv_end < 0: q heads only
+  const int64_t read_per_token = (q_heads + 2 * kv_heads) * row_bytes;
+  const int64_t ahead = std::max<int64_t>(1, (kPrefetchAheadBytes + read_per_token - 1) / read_per_token);
   for (int64_t t = block.token_begin; t < block.token_end; ++t) {
     if (kv_begin < kv_end && t >= touched_end) touch_pool_rows(t);
+    const int64_t pf_t = t + ahead < block.token_end ? t + ahead : -1;
+    const bool pf_v = pf_t >= 0 && written_slot(pf_t) >= 0;
     if (axis_of) {
       const double pos3[3] = {double(pos_rows[0][t]), double(pos_rows[1][t]),
                               double(pos_rows[2][t])};
@@ -1467,6 +1500,14 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     int64_t page, page_row;
     page_of(slot, page, page_row);
     for (int64_t h = block.head_begin; h < block.head_end; ++h) {
+      if (pf_t >= 0) {
+        if (h < Hq) {
+          PrefetchBytesL2(row(p.q, pf_t, h), row_bytes);
+        } else {
+          PrefetchBytesL2(row(p.k, pf_t, h - Hq), row_bytes);
+          if (pf_v) PrefetchBytesL2(row(p.v, pf_t, h - Hq), row_bytes);
+        }
+      }
       if (h < Hq) {
         const T* x = q_norm ? norm(row(p.q, t, h), 0, h) : row(p.q, t, h);
         if (kQuant && fp8_q) {

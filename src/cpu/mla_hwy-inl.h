@@ -71,25 +71,6 @@ HWY_INLINE void StreamBytes(void* dst, const void* src, size_t n) {
   }
 }
 
-// Every 64-byte line of [p, p + bytes), bytes > 0, into L1.
-HWY_INLINE void PrefetchBytes(const void* p, int64_t bytes) {
-  const uintptr_t last = reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes) - 1;
-  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63); a <= last; a += 64)
-    hwy::Prefetch(reinterpret_cast<const char*>(a));
-}
-
-// The same into L2 (x86 prefetcht1, Arm PLDL2KEEP; where the compiler has no such hint, L1).
-HWY_INLINE void PrefetchBytesL2(const void* p, int64_t bytes) {
-  const uintptr_t last = reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes) - 1;
-  for (uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63); a <= last; a += 64) {
-#if defined(__GNUC__) || defined(__clang__)
-    __builtin_prefetch(reinterpret_cast<const char*>(a), 0, 2);
-#else
-    hwy::Prefetch(reinterpret_cast<const char*>(a));
-#endif
-  }
-}
-
 // Tokens whose cache rows are touched together, the most q_pe_rot bytes staged at once, and
 // how far ahead of the rotation inputs are prefetched (see the loop; measured: 2 KiB is too
 // close with L1 prefetches, 16 KiB no better; with L2 prefetches 2 to 16 KiB time alike).
