@@ -1264,7 +1264,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
 #endif
   // mRoPE (SPEC §7): each frequency's position row, in the table's order.
   thread_local std::vector<uint8_t> axis, axis_permuted;
-  thread_local std::vector<double> pos_per_freq;
+  thread_local std::vector<double> pos_per_freq, axis_d;
   const uint8_t* axis_of = nullptr;
   if (p.mrope) {
     axis.assign(size_t(n), 0);
@@ -1279,6 +1279,9 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     }
 #endif
     if (pos_per_freq.size() < size_t(n)) pos_per_freq.resize(size_t(n));
+    // the axes as doubles, so that each token's positions per frequency are vector selects
+    axis_d.resize(size_t(n));
+    for (int64_t i = 0; i < n; ++i) axis_d[size_t(i)] = double(axis_of[i]);
   }
   Index pos_rows[3] = {p.positions, p.positions, p.positions};  // rows of [3, T]
   for (int r = 1; r < 3 && p.mrope; ++r)
@@ -1402,10 +1405,16 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     if (kv_begin < kv_end && t >= touched_end) touch_pool_rows(t);
     const int64_t pf_t = t + ahead < block.token_end ? t + ahead : -1;
     const bool pf_v = pf_t >= 0 && written_slot(pf_t) >= 0;
-    if (axis_of) {
-      const double pos3[3] = {double(pos_rows[0][t]), double(pos_rows[1][t]),
-                              double(pos_rows[2][t])};
-      for (int64_t i = 0; i < n; ++i) pos_per_freq[size_t(i)] = pos3[axis_of[i]];
+    if (axis_of) {  // each frequency's position: row axis_d[i] of the token's three
+      const hn::ScalableTag<double> dd;
+      const auto p0 = hn::Set(dd, double(pos_rows[0][t])), p1 = hn::Set(dd, double(pos_rows[1][t])),
+                 p2 = hn::Set(dd, double(pos_rows[2][t]));
+      for (int64_t i = 0; i < n; i += static_cast<int64_t>(hn::Lanes(dd))) {
+        const auto a = hn::LoadU(dd, axis_d.data() + i);
+        hn::StoreU(hn::IfThenElse(hn::Eq(a, hn::Set(dd, 2.0)), p2,
+                                  hn::IfThenElse(hn::Eq(a, hn::Set(dd, 1.0)), p1, p0)),
+                   dd, pos_per_freq.data() + i);
+      }
     }
     SinCosTable(inv_freq, n, p.positions[t], scale, cos_t, sin_t,
                 axis_of ? pos_per_freq.data() : nullptr);
