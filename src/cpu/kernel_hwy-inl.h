@@ -1367,7 +1367,9 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
   // (a nested one in a VM): per token one or two per pool for [P, Hk, D] and NHD pools, one
   // per head with HND (its heads are page_size rows apart). Touching one line of every page
   // the next kPoolTouchBatch tokens will write, in one go, lets those walks overlap instead of
-  // stalling the stores one token at a time. (Streamed rows are then overwritten whole.)
+  // stalling the stores one token at a time. (Streamed rows are then overwritten whole.) With
+  // plain stores (smaller calls) every line of those rows is prefetched into L2: a plain store
+  // first reads its line for ownership, and the random rows' reads then overlap too.
   constexpr int64_t kPoolTouchBatch = 16;
   const int64_t kv_begin = std::max(block.head_begin, Hq) - Hq, kv_end = block.head_end - Hq;
   const size_t pool_es = kQuant && fp8_pool ? 1 : sizeof(T);
@@ -1383,6 +1385,10 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
         uintptr_t last_page = 0;
         for (int64_t kv = kv_begin; kv < kv_end; ++kv) {
           const char* at = PoolRow(*pool, pg, pg_row, kv, pool_es);
+          if (!stream) {  // plain stores: the whole row, so that they find their lines owned
+            PrefetchBytesL2(at, D * int64_t(pool_es));
+            continue;
+          }
           if ((reinterpret_cast<uintptr_t>(at) >> 12) == last_page) continue;
           last_page = reinterpret_cast<uintptr_t>(at) >> 12;
           hwy::Prefetch(at);
@@ -1395,7 +1401,14 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
   // prefetchers alone kept too few of these streams' misses in flight: the loads waited
   // between bursts of arithmetic, and a large call took about its in-cache time plus the copy
   // time of its bytes (NOTES.md, 2026-12-06).
+  // With plain stores (smaller calls) that token's q_rot and k_rot rows are prefetched too,
+  // so that the stores find their lines owned instead of each waiting for its read.
   constexpr int64_t kPrefetchAheadBytes = 16384;
+  const size_t q_out_es = kQuant && fp8_q ? 1 : sizeof(T);
+  auto q_out_row = [&](int64_t t, int64_t h) {
+    return static_cast<const char*>(p.q_out.data) +
+           (t * p.q_out.row_stride + h * p.q_out.head_stride) * int64_t(q_out_es);
+  };
   const int64_t row_bytes = D * int64_t(sizeof(T));
   const int64_t q_heads = std::max<int64_t>(0, std::min(block.head_end, Hq) - block.head_begin);
   const int64_t kv_heads = std::max<int64_t>(0, kv_end - kv_begin);  // kv_end < 0: q heads only
@@ -1522,9 +1535,11 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
       if (pf_t >= 0) {
         if (h < Hq) {
           PrefetchBytesL2(row(p.q, pf_t, h), row_bytes);
+          if (!stream) PrefetchBytesL2(q_out_row(pf_t, h), D * int64_t(q_out_es));
         } else {
           PrefetchBytesL2(row(p.k, pf_t, h - Hq), row_bytes);
           if (pf_v) PrefetchBytesL2(row(p.v, pf_t, h - Hq), row_bytes);
+          if (!stream && k_rot_written) PrefetchBytesL2(row(p.k_out, pf_t, h - Hq), row_bytes);
         }
       }
       if (h < Hq) {
