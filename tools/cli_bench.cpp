@@ -125,15 +125,21 @@ struct InputSet {
   uint64_t seed = 0;
 };
 
-// One cache format of a run (SPEC §6): every combination of the --pool-dtype, --q-out-dtype,
-// --kv-layout, --page-size and --k-rot lists.
+// One format of a run: every combination of the --fusion (SPEC §7) and the --pool-dtype,
+// --q-out-dtype, --kv-layout, --page-size and --k-rot (SPEC §6) lists.
 struct Format {
+  bool qk_norm = false, mrope = false;  // SPEC §7 (--fusion)
   DType pool_dtype = DType::Other;   // as resolved: --dtype for `same`, or float8_e4m3fn
   DType q_out_dtype = DType::Other;  // likewise
   KvLayout kv_layout = KvLayout::None;
   int64_t page_size = 1;             // 1 for a [P, Hk, D] pool
   bool k_rot = true;                 // false: no k_rot (SPEC §4 return_k_rot=False)
 };
+
+// A --fusion value's name: none, qk-norm, mrope or qk-norm+mrope.
+const char* fusion_name(const Format& f) {
+  return f.qk_norm ? (f.mrope ? "qk-norm+mrope" : "qk-norm") : f.mrope ? "mrope" : "none";
+}
 
 struct TokenResult {
   Format format;
@@ -432,6 +438,8 @@ TokenResult run_tokens(const BenchConfig& cfg, int64_t T, size_t rotate_bytes) {
 // The run's formats' settings in the config (and the scales they need in its params).
 BenchConfig with_format(const BenchConfig& base, const Format& f) {
   BenchConfig cfg = base;
+  cfg.qk_norm = f.qk_norm;
+  cfg.mrope = f.mrope;
   cfg.pool_dtype = f.pool_dtype;
   cfg.q_out_dtype = f.q_out_dtype;
   cfg.kv_layout = f.kv_layout;
@@ -490,7 +498,8 @@ void write_json(const BenchConfig& cfg, const CopyResult& copy_before, const Cop
     << "  \"results\": [";
   for (size_t i = 0; i < rs.size(); ++i) {
     const TokenResult& r = rs[i];
-    f << (i ? ",\n" : "\n") << "    {\"pool_dtype\": \"" << dtype_name(r.format.pool_dtype)
+    f << (i ? ",\n" : "\n") << "    {\"fusion\": \"" << fusion_name(r.format)
+      << "\", \"pool_dtype\": \"" << dtype_name(r.format.pool_dtype)
       << "\", \"q_out_dtype\": \"" << dtype_name(r.format.q_out_dtype)
       << "\", \"k_rot\": " << (r.format.k_rot ? "true" : "false") << ", \"kv_layout\": \""
       << kv_layout_name(r.format.kv_layout) << "\", \"page_size\": " << r.format.page_size
@@ -582,6 +591,12 @@ options:
                      input dtype, Qwen3's "rms" style); bytes include the two weights
   --mrope            SPEC §7: multimodal RoPE, positions [3, T] (Qwen2-VL's sections
                      [16, 24, 24] for head_dim 128, scaled for others); bytes count 3T positions
+                     (--qk-norm --mrope: both in one call)
+  --fusion LIST      SPEC §7 variants as formats of one run, timed in turn like the cache
+                     formats (and combined with them): none, qk-norm, mrope, qk-norm+mrope,
+                     e.g. --fusion none,qk-norm,mrope gives the norm's and mRoPE's share of
+                     memcpy over the plain call's, against the same memcpy anchor; instead
+                     of --qk-norm / --mrope
   --seed N           random seed (default 20240601)
   --json FILE        also write the results as JSON
   -h, --help         this text
@@ -607,6 +622,7 @@ int run_bench(Args& args) {
   std::vector<DType> pool_dtypes = {DType::Other}, q_out_dtypes = {DType::Other};
   std::vector<KvLayout> kv_layouts = {KvLayout::None};
   std::vector<bool> k_rots = {true};
+  std::vector<Format> fusions;  // --fusion: only qk_norm / mrope set
   int64_t rounds = 1;
   bool fp8_scale_given = false;
   while (!args.done()) {
@@ -649,6 +665,16 @@ int run_bench(Args& args) {
       cfg.qk_norm = true;
     } else if (o == "--mrope") {
       cfg.mrope = true;
+    } else if (o == "--fusion") {
+      fusions = parse_list(o, args.value(o), [&](const std::string& v) {
+        Format f;
+        if (v == "qk-norm" || v == "qk-norm+mrope") f.qk_norm = true;
+        if (v == "mrope" || v == "qk-norm+mrope") f.mrope = true;
+        if (v != "none" && !f.qk_norm && !f.mrope)
+          throw UsageError{"--fusion must be none, qk-norm, mrope or qk-norm+mrope (or a list of "
+                           "them), got '" + v + "'"};
+        return f;
+      });
     } else if (o == "--seed") {
       cfg.seed = uint64_t(parse_int(o, args.value(o), 0));
     } else if (o == "--json") {
@@ -697,19 +723,29 @@ int run_bench(Args& args) {
     throw UsageError{"--page-size needs --kv-layout NHD or HND"};
   if (fp8_scale_given && !any_fp8)
     throw UsageError{"--fp8-scale needs --pool-dtype fp8 or --q-out-dtype fp8"};
-  if (cfg.qk_norm && any_fp8)
-    throw UsageError{"--qk-norm with fp8 pools or q_rot: the bench cannot verify that yet"};
+  if (!fusions.empty() && (cfg.qk_norm || cfg.mrope))
+    throw UsageError{"--fusion replaces --qk-norm and --mrope: give one or the other"};
+  if (fusions.empty()) {
+    fusions.emplace_back();
+    fusions.back().qk_norm = cfg.qk_norm, fusions.back().mrope = cfg.mrope;
+  }
+  const bool any_norm = std::any_of(fusions.begin(), fusions.end(), [](const Format& f) { return f.qk_norm; });
+  const bool any_mrope = std::any_of(fusions.begin(), fusions.end(), [](const Format& f) { return f.mrope; });
+  if (any_norm && any_fp8)
+    throw UsageError{"the QK norm (--qk-norm, --fusion qk-norm) with fp8 pools or q_rot: the bench "
+                     "cannot verify that yet"};
   if (page_sizes.empty()) page_sizes = {16};
-  // Every combination, in the order of the lists (a 3-D pool takes no page size); --k-rot
-  // innermost, so a format's rows with and without k_rot are neighbours.
+  // Every combination, in the order of the lists (a 3-D pool takes no page size); --fusion
+  // outermost, --k-rot innermost, so a format's rows with and without k_rot are neighbours.
   std::vector<Format> formats;
-  for (DType pool : pool_dtypes)
-    for (DType q_out : q_out_dtypes)
-      for (KvLayout layout : kv_layouts)
-        for (int64_t page : layout == KvLayout::None ? std::vector<int64_t>{1} : page_sizes)
-          for (bool k_rot : k_rots)
-            formats.push_back({pool == DType::Other ? cfg.dtype : pool,
-                               q_out == DType::Other ? cfg.dtype : q_out, layout, page, k_rot});
+  for (const Format& fusion : fusions)
+    for (DType pool : pool_dtypes)
+      for (DType q_out : q_out_dtypes)
+        for (KvLayout layout : kv_layouts)
+          for (int64_t page : layout == KvLayout::None ? std::vector<int64_t>{1} : page_sizes)
+            for (bool k_rot : k_rots)
+              formats.push_back({fusion.qk_norm, fusion.mrope, pool == DType::Other ? cfg.dtype : pool,
+                                 q_out == DType::Other ? cfg.dtype : q_out, layout, page, k_rot});
   cfg = with_format(cfg, formats.front());  // the header's settings with one format
   set_cpu_num_threads(cfg.threads);
   detail::cpu::set_stream_min_bytes(cfg.stream_min_mib < 0 ? -1 : cfg.stream_min_mib << 20);
@@ -745,9 +781,10 @@ int run_bench(Args& args) {
                 kv_layout_name(cfg.kv_layout), (long long)cfg.page_size, dtype_name(cfg.q_out_dtype),
                 cfg.k_rot ? "" : "; no k_rot (return_k_rot=False)");
   else
-    std::printf("%zu cache formats (pools, q_rot, k_rot, kv_layout, page_size), each token count "
+    std::printf("%zu %s (%spools, q_rot, k_rot, kv_layout, page_size), each token count "
                 "timing them in turn%s",
-                formats.size(), rounds > 1 ? ", round after round" : "");
+                formats.size(), fusions.size() > 1 ? "formats" : "cache formats",
+                fusions.size() > 1 ? "fusion, " : "", rounds > 1 ? ", round after round" : "");
   if (any_fp8) std::printf("; fp8 scales %.9g", double(float(cfg.fp8_scale)));
   std::printf("\n");
   if (rounds > 1)
@@ -758,8 +795,8 @@ int run_bench(Args& args) {
   else
     std::printf("stores: non-temporal from %lld MiB of traffic per call\n",
                 (long long)cfg.stream_min_mib);
-  if (cfg.qk_norm) std::printf("fusion: QK norm (rms, weights in %s)\n", dtype_name(cfg.dtype));
-  if (cfg.mrope) {
+  if (any_norm) std::printf("fusion: QK norm (rms, weights in %s)\n", dtype_name(cfg.dtype));
+  if (any_mrope) {
     const std::vector<int64_t> sec = mrope_section_for(p.head_dim);
     std::printf("fusion: mRoPE, positions [3, T], mrope_section [%lld, %lld, %lld]\n",
                 (long long)sec[0], (long long)sec[1], (long long)sec[2]);
@@ -783,9 +820,9 @@ int run_bench(Args& args) {
         TokenResult& acc = at_t[f];
         if (round > 0 && !acc.ok()) continue;  // a failed check is not timed again
         if (formats.size() > 1 || rounds > 1)
-          std::fprintf(stderr, "%s T=%lld: round %lld of %lld, pools %s, q_rot %s, k_rot %s, kv_layout %s, page_size %lld\n",
+          std::fprintf(stderr, "%s T=%lld: round %lld of %lld, fusion %s, pools %s, q_rot %s, k_rot %s, kv_layout %s, page_size %lld\n",
                        stage_prefix, (long long)T, (long long)round + 1, (long long)rounds,
-                       dtype_name(formats[f].pool_dtype), dtype_name(formats[f].q_out_dtype),
+                       fusion_name(formats[f]), dtype_name(formats[f].pool_dtype), dtype_name(formats[f].q_out_dtype),
                        formats[f].k_rot ? "yes" : "no", kv_layout_name(formats[f].kv_layout),
                        (long long)formats[f].page_size);
         BenchConfig c = with_format(cfg, formats[f]);
@@ -820,13 +857,15 @@ int run_bench(Args& args) {
         2.0 * double(copy_bytes) / c->seconds.p10 * 1e-9);
   std::printf("the memcpy column is GB/s over the faster of the two (%.2f GB/s)\n\n", copy.gbps);
   // With several formats, each row starts with its format.
-  const bool format_columns = formats.size() > 1;
+  const bool format_columns = formats.size() > 1, fusion_column = fusions.size() > 1;
   auto print_format = [&](const TokenResult& r) {
+    if (fusion_column) std::printf("%-13s ", fusion_name(r.format));
     if (format_columns)
       std::printf("%-14s %-14s %-5s %-4s %4lld ", dtype_name(r.format.pool_dtype),
                   dtype_name(r.format.q_out_dtype), r.format.k_rot ? "yes" : "no",
                   kv_layout_name(r.format.kv_layout), (long long)r.format.page_size);
   };
+  if (fusion_column) std::printf("%-13s ", "fusion");
   if (format_columns)
     std::printf("%-14s %-14s %-5s %-4s %4s ", "pools", "q_rot", "k_rot", "kv", "page");
   std::printf("%7s %10s %5s %7s %11s %11s %11s %10s %8s %7s  %s\n", "tokens", "pool_slots", "sets",

@@ -100,7 +100,35 @@ def test_bench_times_calls_without_k_rot(tmp_path):
     assert "; no k_rot (return_k_rot=False)" in r.stdout
 
 
+def test_bench_times_the_fusions_in_one_run(tmp_path):
+    # --fusion: SPEC §7's variants as formats of one run, outermost, each verified and given
+    # its share over the first (plain) call's against the same memcpy anchor
+    out = tmp_path / "bench.json"
+    r = run_module("bench", "--threads", "2", "--tokens", "3", "--iters", "4", "--copy-mib", "1",
+                   "--rotate-mib", "1", "--pool-slots", "64", "--fusion", "none,qk-norm,mrope,qk-norm+mrope",
+                   "--kv-layout", "none,NHD", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = json.loads(out.read_text())["results"]
+    fusions = ("none", "qk-norm", "mrope", "qk-norm+mrope")
+    assert [(x["fusion"], x["kv_layout"]) for x in results] == \
+        [(f, layout) for f in fusions for layout in ("none", "NHD")]
+    assert all(x["verified"] and x["calls"] == 4 for x in results)
+    T, D, es = 3, 128, 2
+    plain, norm, mrope = results[0], results[2], results[4]
+    assert norm["bytes_per_call"] - plain["bytes_per_call"] == 2 * D * es  # the two weights
+    assert mrope["bytes_per_call"] - plain["bytes_per_call"] == 2 * T * 4  # two more int32 rows
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith(fusions)]
+    assert [row[0] for row in rows] == [f for f in fusions for _ in range(2)]  # the fusion column
+    assert sum("the first format's share" in " ".join(row) for row in rows) == 7
+    assert "fusion: QK norm" in r.stdout and "fusion: mRoPE" in r.stdout
+
+
 @pytest.mark.parametrize("args, message", [
+    (("--fusion", "none,qknorm"),
+     "--fusion must be none, qk-norm, mrope or qk-norm+mrope (or a list of them), got 'qknorm'"),
+    (("--fusion", "none", "--mrope"), "--fusion replaces --qk-norm and --mrope: give one or the other"),
+    (("--fusion", "none,qk-norm", "--q-out-dtype", "fp8"),
+     "the QK norm (--qk-norm, --fusion qk-norm) with fp8 pools or q_rot: the bench cannot verify that yet"),
     (("--k-rot", "yes,none"), "--k-rot must be yes or no (or a list of them), got 'none'"),
     (("--pool-dtype", "same,fp8,"), "--pool-dtype expects a comma-separated list, got 'same,fp8,'"),
     (("--kv-layout", "none,nhd"), "--kv-layout must be none, NHD or HND (or a list of them), got 'nhd'"),
