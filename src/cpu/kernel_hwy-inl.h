@@ -1262,14 +1262,14 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     inv_freq = inv_freq_permuted.data();
   }
 #endif
-  // mRoPE (SPEC §7): each frequency's position row, in the table's order.
-  thread_local std::vector<uint8_t> axis, axis_permuted;
-  thread_local std::vector<double> pos_per_freq, axis_d;
-  const uint8_t* axis_of = nullptr;
+  // mRoPE (SPEC §7): each frequency's position row, in the table's order, as doubles so that
+  // each token's positions per frequency are vector selects.
+  thread_local std::vector<double> axis, axis_permuted, pos_per_freq;
+  const double* axis_of = nullptr;
   if (p.mrope) {
-    axis.assign(size_t(n), 0);
+    axis.assign(size_t(n), 0.0);
     for (int64_t i = 0; i < R / 2; ++i)
-      axis[size_t(i)] = uint8_t(mrope_axis(p.mrope_section, p.mrope_interleaved, i));
+      axis[size_t(i)] = double(mrope_axis(p.mrope_section, p.mrope_interleaved, i));
     axis_of = axis.data();
 #if HWY_TARGET != HWY_SCALAR
     if (kBF16 && !p.interleaved) {
@@ -1279,9 +1279,6 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     }
 #endif
     if (pos_per_freq.size() < size_t(n)) pos_per_freq.resize(size_t(n));
-    // the axes as doubles, so that each token's positions per frequency are vector selects
-    axis_d.resize(size_t(n));
-    for (int64_t i = 0; i < n; ++i) axis_d[size_t(i)] = double(axis_of[i]);
   }
   Index pos_rows[3] = {p.positions, p.positions, p.positions};  // rows of [3, T]
   for (int r = 1; r < 3 && p.mrope; ++r)
@@ -1406,7 +1403,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
   constexpr int64_t kPrefetchAheadBytes = 16384;
   const size_t q_out_es = kQuant && fp8_q ? 1 : sizeof(T);
   auto q_out_row = [&](int64_t t, int64_t h) {
-    return static_cast<const char*>(p.q_out.data) +
+    return static_cast<char*>(p.q_out.data) +
            (t * p.q_out.row_stride + h * p.q_out.head_stride) * int64_t(q_out_es);
   };
   const int64_t row_bytes = D * int64_t(sizeof(T));
@@ -1418,12 +1415,12 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
     if (kv_begin < kv_end && t >= touched_end) touch_pool_rows(t);
     const int64_t pf_t = t + ahead < block.token_end ? t + ahead : -1;
     const bool pf_v = pf_t >= 0 && written_slot(pf_t) >= 0;
-    if (axis_of) {  // each frequency's position: row axis_d[i] of the token's three
+    if (axis_of) {  // each frequency's position: row axis_of[i] of the token's three
       const hn::ScalableTag<double> dd;
       const auto p0 = hn::Set(dd, double(pos_rows[0][t])), p1 = hn::Set(dd, double(pos_rows[1][t])),
                  p2 = hn::Set(dd, double(pos_rows[2][t]));
       for (int64_t i = 0; i < n; i += static_cast<int64_t>(hn::Lanes(dd))) {
-        const auto a = hn::LoadU(dd, axis_d.data() + i);
+        const auto a = hn::LoadU(dd, axis_of + i);
         hn::StoreU(hn::IfThenElse(hn::Eq(a, hn::Set(dd, 2.0)), p2,
                                   hn::IfThenElse(hn::Eq(a, hn::Set(dd, 1.0)), p1, p0)),
                    dd, pos_per_freq.data() + i);
@@ -1545,10 +1542,7 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
       if (h < Hq) {
         const T* x = q_norm ? norm(row(p.q, t, h), 0, h) : row(p.q, t, h);
         if (kQuant && fp8_q) {
-          rotate_e4m3(x, nullptr,
-                      static_cast<uint8_t*>(p.q_out.data) + t * p.q_out.row_stride +
-                          h * p.q_out.head_stride,
-                      q_div, fused_q);
+          rotate_e4m3(x, nullptr, reinterpret_cast<uint8_t*>(q_out_row(t, h)), q_div, fused_q);
         } else
           rotate(x, row(p.q_out, t, h), nullptr);
         continue;
