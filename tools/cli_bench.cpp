@@ -725,10 +725,7 @@ int run_bench(Args& args) {
     throw UsageError{"--fp8-scale needs --pool-dtype fp8 or --q-out-dtype fp8"};
   if (!fusions.empty() && (cfg.qk_norm || cfg.mrope))
     throw UsageError{"--fusion replaces --qk-norm and --mrope: give one or the other"};
-  if (fusions.empty()) {
-    fusions.emplace_back();
-    fusions.back().qk_norm = cfg.qk_norm, fusions.back().mrope = cfg.mrope;
-  }
+  if (fusions.empty()) fusions.push_back({cfg.qk_norm, cfg.mrope});  // --qk-norm / --mrope
   const bool any_norm = std::any_of(fusions.begin(), fusions.end(), [](const Format& f) { return f.qk_norm; });
   const bool any_mrope = std::any_of(fusions.begin(), fusions.end(), [](const Format& f) { return f.mrope; });
   if (any_norm && any_fp8)
