@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Tuple
 
 from ropepool import _ropepool
-from ropepool._op import _new_array_output, _refuse_immutable
+from ropepool._op import (_SCALING_SCHEDULES, _new_array_output, _refuse_immutable,
+                         _remember_scaling_schedule, _scaling_key)
 from ropepool._schedule import RopeSchedule, _is_bool, _is_real, rope_schedule
 
 try:
@@ -81,7 +82,13 @@ def _options(q_pe, rope_base, rope_scaling, max_position_embeddings,
         # rope_dim comes from q_pe; a q_pe without one is left to the core's shape message.
         shape = getattr(q_pe, "shape", ())
         rope_dim = int(shape[-1]) if len(shape) == 3 else 0
-        if rope_dim > 0 and rope_dim % 2 == 0:
+        only_scaling = rope_scaling is not None \
+            and sum(v is not None for v in given.values()) == 1
+        if only_scaling and rope_dim > 0:
+            # rope_pool_fused's memo (the schedule of (rope_dim, rope_base, the dict) is the
+            # same for both ops): an engine passes config.rope_scaling on every call
+            schedule = _SCALING_SCHEDULES.get(_scaling_key(rope_dim, rope_base, rope_scaling))
+        if schedule is None and rope_dim > 0 and rope_dim % 2 == 0:
             try:
                 schedule = rope_schedule(
                     head_dim=rope_dim, rope_base=rope_base, rope_scaling=rope_scaling,
@@ -90,6 +97,8 @@ def _options(q_pe, rope_base, rope_scaling, max_position_embeddings,
                     seq_len=seq_len, inv_freq=inv_freq, attention_scaling=attention_scaling)
             except (ValueError, TypeError) as err:
                 raise _renamed(err) from None
+            if only_scaling:
+                _remember_scaling_schedule(rope_dim, rope_base, rope_scaling, schedule)
     freqs = None if schedule is None else list(schedule.inv_freq)
     att = 1.0 if schedule is None else float(schedule.attention_scaling)
     return rope_base, freqs, att, nhd, scale_value, scale_tensor

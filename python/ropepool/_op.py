@@ -144,33 +144,51 @@ def rope_pool_fused(
     exception's ``__notes__``), TypeError for arguments that are not arrays, RuntimeError
     for backend failures. Nothing is written when an error is raised.
     """
-    # The common decode-step call (plain torch tensors, eager, only the four required
-    # keywords and maybe inplace or plain q_out/k_out, validated once per geometry) skips the
-    # keyword machinery below; the core still validates every call (SPEC §2), so errors are
-    # the same. What only this layer checks takes the slow path: inplace with q_out/k_out,
-    # and a float8 q_out without q_out_dtype.
+    # The common decode-step call (plain torch tensors, eager, the four required keywords,
+    # maybe inplace or plain q_out/k_out, a schedule made by rope_schedule, SPEC §6's cache
+    # keywords, return_k_rot and SPEC §7's norm keywords; its geometry validated once) skips
+    # the keyword machinery below; the core still validates every call (SPEC §2), so errors
+    # are the same. What only this layer checks takes the slow path: inplace with
+    # q_out/k_out, a float8 q_out without q_out_dtype, keyword values of other Python types
+    # (an int scale, a bool, a dtype name), a rope_scaling dict no call has made a schedule
+    # from yet.
     if type(q) is _FAST_TENSOR and type(k) is _FAST_TENSOR and type(v) is _FAST_TENSOR \
             and type(positions) is _FAST_TENSOR and type(slots) is _FAST_TENSOR \
             and type(k_pool) is _FAST_TENSOR and type(v_pool) is _FAST_TENSOR \
-            and rotary_dim is None and interleaved is False and rope_scaling is None \
+            and rotary_dim is None and interleaved is False \
             and max_position_embeddings is None and original_max_position_embeddings is None \
             and seq_len is None and inv_freq is None and attention_scaling is None \
-            and schedule is None and check_slots is False and kv_layout is None \
-            and k_scale is None and v_scale is None and q_scale is None and q_out_dtype is None \
-            and q_norm_weight is None and k_norm_weight is None and norm_eps is None \
-            and norm_style is None and mrope_section is None and mrope_interleaved is None \
-            and return_k_rot is True \
-            and ((inplace is False
-                  and (q_out is None
-                       or (type(q_out) is _FAST_TENSOR and q_out.dtype is not _FAST_FP8))
-                  and (k_out is None or type(k_out) is _FAST_TENSOR))
-                 or (inplace is True and q_out is None and k_out is None)) \
+            and check_slots is False and mrope_section is None and mrope_interleaved is None \
             and type(head_dim) is int and type(num_qo_heads) is int \
             and type(num_kv_heads) is int and type(rope_base) is float \
             and (head_dim, num_qo_heads, num_kv_heads, rope_base) in _FAST_GEOMETRIES \
             and _fast_eager():
-        return _fast_call(q, k, v, positions, slots, k_pool, v_pool, head_dim, num_qo_heads,
-                          num_kv_heads, rope_base, inplace, q_out, k_out)
+        fast_schedule = schedule
+        if rope_scaling is not None:  # the schedule an earlier call made from this dict
+            fast_schedule = _known_scaling_schedule(head_dim, rope_base, rope_scaling) \
+                if schedule is None else _NOT_FAST
+        if fast_schedule is None and kv_layout is None and k_scale is None and v_scale is None \
+                and q_scale is None and q_out_dtype is None and return_k_rot is True \
+                and q_norm_weight is None and k_norm_weight is None and norm_eps is None \
+                and norm_style is None:
+            if (inplace is False
+                    and (q_out is None
+                         or (type(q_out) is _FAST_TENSOR and q_out.dtype is not _FAST_FP8))
+                    and (k_out is None or type(k_out) is _FAST_TENSOR)) \
+                    or (inplace is True and q_out is None and k_out is None):
+                return _fast_call(q, k, v, positions, slots, k_pool, v_pool, head_dim,
+                                  num_qo_heads, num_kv_heads, rope_base, inplace, q_out, k_out)
+        elif fast_schedule is not _NOT_FAST and _fast_keywords(
+                kv_layout, k_scale, v_scale, q_scale, q_out_dtype, inplace, q_out, k_out,
+                return_k_rot, q_norm_weight, k_norm_weight, norm_eps, norm_style, fast_schedule,
+                rope_base):
+            result = _fast_keyword_call(
+                q, k, v, positions, slots, k_pool, v_pool, head_dim, num_qo_heads,
+                num_kv_heads, rope_base, inplace, q_out, k_out, q_out_dtype is not None,
+                return_k_rot, kv_layout, k_scale, v_scale, q_scale, q_norm_weight,
+                k_norm_weight, norm_eps, norm_style, fast_schedule)
+            if result is not None:
+                return result
     tensors = (q, k, v, positions, slots, k_pool, v_pool)
     has_out = q_out is not None or k_out is not None
     all_torch = torch is not None and isinstance(q, torch.Tensor) \
@@ -187,8 +205,7 @@ def rope_pool_fused(
                        mrope_interleaved)
     fusion = _fusion_args(q_norm_weight, k_norm_weight, norm_eps, norm_style, sched_section,
                           sched_interleaved)
-    _remember_geometry(head_dim, num_qo_heads, num_kv_heads, rope_base, sched_freqs,
-                       sched_section)
+    _remember_geometry(head_dim, num_qo_heads, num_kv_heads, rope_base)
     check_slots = bool(check_slots)
     interleaved = bool(interleaved)
     inplace = bool(inplace)
@@ -267,18 +284,49 @@ def rope_pool_fused(
 
 
 # Geometries (head_dim, num_qo_heads, num_kv_heads, rope_base) whose Python types the slow
-# path has checked (ints that are not bools, a float rope_base) and whose default schedule
-# needs no table: the fast path passes them to the core as they are. Bounded: a process
-# runs a handful of models.
+# path has checked (ints that are not bools, a float rope_base): the fast path passes them
+# to the core as they are. Bounded: a process runs a handful of models.
 _FAST_GEOMETRIES: set = set()
 
 
-def _remember_geometry(head_dim, num_qo_heads, num_kv_heads, rope_base, sched_freqs,
-                       sched_section):
-    if sched_freqs is None and sched_section is None and len(_FAST_GEOMETRIES) < 64 \
-            and type(head_dim) is int and type(num_qo_heads) is int \
+def _remember_geometry(head_dim, num_qo_heads, num_kv_heads, rope_base):
+    if len(_FAST_GEOMETRIES) < 64 and type(head_dim) is int and type(num_qo_heads) is int \
             and type(num_kv_heads) is int and type(rope_base) is float:
         _FAST_GEOMETRIES.add((head_dim, num_qo_heads, num_kv_heads, rope_base))
+
+
+# Schedules made from a rope_scaling dict alone (no other schedule keyword, rotary_dim None),
+# by (head_dim, rope_base, the dict's items with their types): an engine passes its
+# config.rope_scaling on every call, and making the schedule costs more than the rest of a
+# decode call's host work. Only what a call has made without error is kept, so a dict that
+# is wrong still raises each time. Bounded like _FAST_GEOMETRIES.
+_SCALING_SCHEDULES: dict = {}
+_NOT_FAST = object()  # the fast path's "no": a schedule it cannot use
+_SCALING_VALUE_TYPES = (int, float, str, bool, type(None))
+
+
+def _scaling_key(head_dim, rope_base, rope_scaling):
+    """The memo's key, or None: not a dict, or values other than plain scalars (lists,
+    numpy numbers: made every call)."""
+    if type(rope_scaling) is not dict:
+        return None
+    items = []
+    for key, value in rope_scaling.items():
+        if type(value) not in _SCALING_VALUE_TYPES:
+            return None
+        items.append((key, type(value), value))
+    return head_dim, rope_base, tuple(items)
+
+
+def _known_scaling_schedule(head_dim, rope_base, rope_scaling):
+    schedule = _SCALING_SCHEDULES.get(_scaling_key(head_dim, rope_base, rope_scaling))
+    return _NOT_FAST if schedule is None else schedule
+
+
+def _remember_scaling_schedule(head_dim, rope_base, rope_scaling, schedule) -> None:
+    key = _scaling_key(head_dim, rope_base, rope_scaling)
+    if key is not None and len(_SCALING_SCHEDULES) < 64:
+        _SCALING_SCHEDULES[key] = schedule
 
 
 # Frameworks whose arrays are immutable (SPEC §9): the op would write behind their back, so
@@ -445,7 +493,15 @@ def _fused_scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, 
              "original_max_position_embeddings": original_max_position_embeddings,
              "seq_len": seq_len, "mrope_section": mrope_section,
              "mrope_interleaved": mrope_interleaved}
-    if schedule is None and any(v is not None for v in given.values()):
+    only_scaling = rope_scaling is not None and rotary_dim == 0 \
+        and sum(v is not None for v in given.values()) == 1
+    if schedule is None and only_scaling:
+        schedule = _SCALING_SCHEDULES.get(_scaling_key(head_dim, rope_base, rope_scaling))
+        if schedule is None:
+            schedule = rope_schedule(head_dim=head_dim, rope_base=rope_base,
+                                     rope_scaling=rope_scaling)
+            _remember_scaling_schedule(head_dim, rope_base, rope_scaling, schedule)
+    elif schedule is None and any(v is not None for v in given.values()):
         schedule = rope_schedule(
             head_dim=head_dim, rope_base=rope_base, rotary_dim=rotary_dim or None,
             rope_scaling=rope_scaling, max_position_embeddings=max_position_embeddings,
@@ -606,8 +662,9 @@ if torch is not None:
 
     def _new_q_rot(q: "torch.Tensor", fp8: bool) -> "torch.Tensor":
         """q_rot in q's dtype, or float8_e4m3fn (SPEC §6)."""
-        if fp8:
-            return torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
+        if fp8:  # (empty_like: a third of torch.empty's host time)
+            return torch.empty_like(q, dtype=torch.float8_e4m3fn,
+                                    memory_format=torch.contiguous_format)
         return _new_torch_output(q)
 
     def _check_torch_scales(cache) -> None:
@@ -799,6 +856,101 @@ if torch is not None:
             stream=stream, exporter=_to_dlpack)
         if inplace or q_out is not None or k_out is not None:
             _increment_version((q_rot, k_rot, k_pool, v_pool))
+        else:
+            _increment_version((k_pool, v_pool))
+        return q_rot, k_rot, k_pool, v_pool
+
+    def _fast_keywords(kv_layout, k_scale, v_scale, q_scale, q_out_dtype, inplace, q_out, k_out,
+                       return_k_rot, q_norm_weight, k_norm_weight, norm_eps, norm_style, schedule,
+                       rope_base) -> bool:
+        """Whether a call with a schedule, SPEC §6's keywords, return_k_rot=False or SPEC
+        §7's norm keywords can take the fast path: each keyword of the one Python type the
+        slow path passes through unchanged (a RopeSchedule without mRoPE made for this
+        rope_base, a str layout or style, float or plain-tensor scales, plain tensor weights,
+        a float eps, torch.float8_e4m3fn), and none of the combinations only the slow path
+        rejects (inplace with outputs or an fp8 q_rot, k_out without k_rot, a q_out whose
+        dtype disagrees with q_out_dtype). The values are the core's to check, as on the slow
+        path."""
+        if schedule is not None and (type(schedule) is not RopeSchedule
+                                     or schedule.mrope_section is not None
+                                     or (schedule.rope_base and schedule.rope_base != rope_base)):
+            return False
+        if kv_layout is not None and type(kv_layout) is not str:
+            return False
+        for s in (k_scale, v_scale, q_scale):
+            if s is not None and type(s) is not float and type(s) is not _FAST_TENSOR:
+                return False
+        if (q_norm_weight is not None and type(q_norm_weight) is not _FAST_TENSOR) \
+                or (k_norm_weight is not None and type(k_norm_weight) is not _FAST_TENSOR) \
+                or (norm_eps is not None and type(norm_eps) is not float) \
+                or (norm_style is not None and type(norm_style) is not str):
+            return False
+        q8 = q_out_dtype is not None
+        if q8 and q_out_dtype is not _FAST_FP8:
+            return False
+        if return_k_rot is False:
+            if k_out is not None:
+                return False
+        elif return_k_rot is not True:
+            return False
+        if inplace is True:
+            return q_out is None and k_out is None and not q8
+        if inplace is not False:
+            return False
+        if q_out is not None and (type(q_out) is not _FAST_TENSOR
+                                  or (q_out.dtype is _FAST_FP8) is not q8):
+            return False
+        return k_out is None or type(k_out) is _FAST_TENSOR
+
+    def _fast_keyword_call(q, k, v, positions, slots, k_pool, v_pool, head_dim, num_qo_heads,
+                           num_kv_heads, rope_base, inplace, q_out, k_out, q8, k_rot_wanted,
+                           kv_layout, k_scale, v_scale, q_scale, q_norm_weight, k_norm_weight,
+                           norm_eps, norm_style, schedule):
+        """_fast_call with the keywords that _fast_keywords accepted (those given passed on
+        to the core by name, a tensor scale as its *_scale_tensor): what
+        _rope_pool_fused_out_kernel / _rope_pool_fused_kernel do for such a call. None when
+        q is on a device other than the current one (the slow path switches devices)."""
+        stream = 0
+        if q.is_cuda:
+            device = q.device.index
+            if device != _current_device():
+                return None
+            stream = _current_raw_stream(device)
+        if inplace:
+            q_rot, k_rot = q, (k if k_rot_wanted else None)
+        else:
+            q_rot = q_out if q_out is not None else _new_q_rot(q, q8)
+            k_rot = k_out if k_out is not None else (_new_torch_output(k) if k_rot_wanted
+                                                     else None)
+        kwargs = {}
+        if schedule is not None:
+            kwargs["schedule_inv_freq"] = schedule.inv_freq
+            kwargs["schedule_attention_scaling"] = schedule.attention_scaling
+        if kv_layout is not None:
+            kwargs["kv_layout"] = kv_layout
+        if k_scale is not None:
+            kwargs["k_scale" if type(k_scale) is float else "k_scale_tensor"] = k_scale
+        if v_scale is not None:
+            kwargs["v_scale" if type(v_scale) is float else "v_scale_tensor"] = v_scale
+        if q_scale is not None:
+            kwargs["q_scale" if type(q_scale) is float else "q_scale_tensor"] = q_scale
+        if q_norm_weight is not None:
+            kwargs["q_norm_weight"] = q_norm_weight
+        if k_norm_weight is not None:
+            kwargs["k_norm_weight"] = k_norm_weight
+        if norm_eps is not None:
+            kwargs["norm_eps"] = norm_eps
+        if norm_style is not None:
+            kwargs["norm_style"] = norm_style
+        _ropepool.rope_pool_fused_into(
+            q, k, v, positions, slots, k_pool, v_pool, q_rot, k_rot, head_dim=head_dim,
+            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, rope_base=rope_base,
+            stream=stream, exporter=_to_dlpack, **kwargs)
+        # Versions of what the caller passed and the op wrote (fresh outputs have no readers)
+        if inplace:
+            _increment_version((q, k, k_pool, v_pool) if k_rot_wanted else (q, k_pool, v_pool))
+        elif q_out is not None or k_out is not None:
+            _increment_version(tuple(x for x in (q_out, k_out, k_pool, v_pool) if x is not None))
         else:
             _increment_version((k_pool, v_pool))
         return q_rot, k_rot, k_pool, v_pool

@@ -467,6 +467,143 @@ def test_cuda_graph_replay_reads_changed_scale(rng):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), vs
 
 
+# ---- the eager fast path -----------------------------------------------------------------------
+
+
+FAST_CACHE_CALLS = [
+    dict(kv_layout="NHD", k_scale=0.5, v_scale="tensor"),
+    dict(kv_layout="NHD", k_scale="tensor", v_scale=0.25, q_out_dtype=FP8, q_scale=0.75),
+    dict(kv_layout="NHD", k_scale=0.5, v_scale=0.25, q_out_dtype=FP8, q_scale="tensor",
+         return_k_rot=False),
+    dict(kv_layout="NHD", k_scale=0.5, v_scale=0.25, q_out_dtype=FP8, q_scale=0.75,
+         q_out="fp8"),
+    dict(kv_layout="NHD", k_scale=0.5, v_scale=0.25, k_out="k"),
+    dict(kv_layout="NHD", k_scale=0.5, v_scale=0.25, inplace=True),
+    dict(kv_layout="NHD", k_scale=0.5, v_scale=0.25, inplace=True, return_k_rot=False),
+    dict(kv_layout="HND", k_scale=0.5, v_scale=0.25, return_k_rot=False, pool="bf16"),
+]
+
+
+@pytest.mark.parametrize("call", range(len(FAST_CACHE_CALLS)))
+def test_eager_fast_path_with_cache_keywords(kernel_device, rng, monkeypatch, call):
+    """Once the geometry is known, eager calls with SPEC §6's keywords (a layout, float and
+    tensor scales, an fp8 q_rot, return_k_rot=False, q_out/k_out, inplace) take the fast
+    path: the same bits as the keyword machinery (the first call of the geometry), every
+    byte of the cache allocation, the caller's objects returned, their versions bumped."""
+    import ropepool._op as op
+    spec = dict(FAST_CACHE_CALLS[call])
+    T, Hq, Hk, D, ps, pages = 9, 4, 2, 64, 4, 6
+    pool_dtype = torch.bfloat16 if spec.pop("pool", None) == "bf16" else FP8
+    if pool_dtype is not FP8:
+        del spec["k_scale"], spec["v_scale"]
+    q, k, v, positions, slots, gen = make_inputs(rng, kernel_device, torch.bfloat16, T, Hq, Hk,
+                                                 D, pages * ps)
+    taken = []
+    fast = op._fast_keyword_call
+    monkeypatch.setattr(op, "_fast_keyword_call", lambda *a: taken.append(1) or fast(*a))
+    kw = dict(head_dim=D, num_qo_heads=Hq, num_kv_heads=Hk, rope_base=float(rng.integers(1, 10**6)))
+    runs = []
+    for fast_path in (False, True):  # the first call registers the geometry
+        if not fast_path:
+            monkeypatch.setattr(op, "_FAST_GEOMETRIES", set())
+        k_pool, v_pool, arena = build_cache("flashinfer", spec["kv_layout"], pages, ps, Hk, D,
+                                            pool_dtype, kernel_device,
+                                            torch.Generator().manual_seed(7))
+        extra = {}
+        for name, value in spec.items():
+            if value == "tensor":  # a fresh one-element tensor per run
+                value = torch.tensor([0.375], device=kernel_device)
+            elif name == "q_out":
+                value = torch.empty(q.shape, dtype=FP8, device=kernel_device)
+                random_bytes(value, gen)
+            elif name == "k_out":
+                value = torch.empty_like(k)
+                random_bytes(value, gen)
+            extra[name] = value
+        qi, ki = q.clone(), k.clone()
+        mutated = [x for x in (extra.get("q_out"), extra.get("k_out"), k_pool, v_pool)
+                   if x is not None]
+        if spec.get("inplace"):
+            mutated.append(qi)
+        versions = [x._version for x in mutated]
+        n = len(taken)
+        out = ropepool.rope_pool_fused(qi, ki, v, positions, slots, k_pool, v_pool, **kw,
+                                       **extra)
+        assert len(taken) == n + fast_path, "the fast path taken on the second call only"
+        assert out[2] is k_pool and out[3] is v_pool
+        if spec.get("inplace"):
+            assert out[0] is qi and out[1] is (ki if spec.get("return_k_rot", True) else None)
+        if "q_out" in extra:
+            assert out[0] is extra["q_out"]
+        if "k_out" in extra:
+            assert out[1] is extra["k_out"]
+        if spec.get("return_k_rot", True) is False:
+            assert out[1] is None
+            assert torch.equal(ki.view(torch.int16), k.view(torch.int16)), "k written"
+        assert out[0].dtype == (FP8 if "q_out_dtype" in spec else torch.bfloat16)
+        assert all(x._version > b for x, b in zip(mutated, versions))
+        runs.append([None if x is None else x.cpu().view(torch.uint8).clone()
+                     for x in (out[0], out[1], arena)])
+    for name, slow, quick in zip(("q_rot", "k_rot", "the cache allocation"), *runs):
+        assert (slow is None) == (quick is None), name
+        assert slow is None or torch.equal(slow, quick), name
+
+
+def test_fast_path_cache_errors_and_slow_path_checks(monkeypatch):
+    """With the geometry known: the core's messages for bad cache keyword values (nothing
+    written), and what only the keyword machinery checks still checked there (it is never
+    the fast path's)."""
+    import ropepool._op as op
+    taken = []
+    fast = op._fast_keyword_call
+    monkeypatch.setattr(op, "_fast_keyword_call", lambda *a: taken.append(1) or fast(*a))
+    args, kw = small(layout="NHD")
+    kw["rope_base"] = 4242.0
+    ropepool.rope_pool_fused(*args, **kw)  # registers the geometry
+    before = [a.clone() for a in args[5:]]
+    for change, message in [
+        (dict(k_scale=0.0), "rope_pool_fused: k_scale must be finite and > 0, got 0.0"),
+        (dict(v_scale=torch.tensor([1.0], dtype=torch.float64)),
+         "rope_pool_fused: v_scale must be a float32 tensor, got float64"),
+        (dict(kv_layout="nhd"), 'rope_pool_fused: kv_layout must be None, "NHD" or "HND", got "nhd"'),
+        (dict(q_scale=2.0), "rope_pool_fused: q_scale is given but q_rot is float32; q_scale "
+                            "quantises a float8_e4m3fn q_rot only"),
+    ]:
+        n = len(taken)
+        with pytest.raises(ValueError) as info:
+            ropepool.rope_pool_fused(*args, **{**kw, **change})
+        assert str(info.value) == message
+        assert len(taken) == n + 1, change
+    for change, exc, match in [
+        (dict(k_scale=True), TypeError, "k_scale must be a float or a one-element float32 "
+                                        "tensor, got bool"),
+        (dict(q_out_dtype=torch.float16), ValueError, "q_out_dtype must be None or float8_e4m3fn"),
+        (dict(q_out_dtype=FP8, inplace=True), ValueError, "cannot be combined with inplace=True"),
+        (dict(return_k_rot=False, k_out=args[1].clone()), ValueError,
+         "k_out cannot be combined with return_k_rot=False"),
+        (dict(q_out=torch.empty(args[0].shape, dtype=FP8)), ValueError,
+         "q_out is float8_e4m3fn but q_out_dtype is None"),
+        (dict(q_out_dtype=FP8, q_out=torch.empty_like(args[0])), ValueError,
+         "q_out must be float8_e4m3fn"),
+    ]:
+        n = len(taken)
+        with pytest.raises(exc, match=match):
+            ropepool.rope_pool_fused(*args, **{**kw, **change})
+        assert len(taken) == n, change
+    for a, b in zip(args[5:], before):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    # other Python types of good values: the slow path, the same result
+    n = len(taken)
+    out_int = ropepool.rope_pool_fused(*args, **kw, k_scale=2, q_out_dtype="float8_e4m3fn")
+    assert len(taken) == n
+    k_pool = args[5].clone()
+    out = ropepool.rope_pool_fused(*args[:5], k_pool, args[6], **kw, k_scale=2.0,
+                                   q_out_dtype=FP8)
+    assert len(taken) == n + 1
+    assert torch.equal(out[0].view(torch.uint8), out_int[0].view(torch.uint8))
+    assert torch.equal(k_pool.view(torch.uint8), args[5].view(torch.uint8))
+
+
 # ---- validation ---------------------------------------------------------------------------------
 
 

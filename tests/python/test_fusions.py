@@ -590,6 +590,64 @@ def test_fusion_keywords_are_validated(rng):
                                  a["v_pool"], **kw, q_norm_weight=w, norm_style=1)
 
 
+def test_norm_keywords_on_the_eager_fast_path(kernel_device, rng, monkeypatch):
+    """Once the geometry is known, eager calls with the norm keywords (tensor weights, a
+    float eps, a style) take the fast path with the same bits as the first (keyword
+    machinery) call; bad values get the core's messages there; weights of another framework
+    and a style that is not a str are still the slow path's TypeErrors."""
+    import ropepool._op as op
+    taken = []
+    fast = op._fast_keyword_call
+    monkeypatch.setattr(op, "_fast_keyword_call", lambda *a: taken.append(1) or fast(*a))
+    cfg = dict(QWEN3_4B, num_qo_heads=4, num_kv_heads=2, rope_base=float(rng.integers(1, 10**6)))
+    T, D = 7, cfg["head_dim"]
+    a = _inputs(rng, cfg, T, "bfloat16")
+    positions = torch.from_numpy(rng.integers(0, 2**20, size=T).astype(np.int32))
+    weights = dict(q_norm_weight=torch.from_numpy(1 + 0.3 * rng.standard_normal(D)).float(),
+                   k_norm_weight=torch.from_numpy(1 + 0.3 * rng.standard_normal(D)).to(torch.bfloat16))
+    for extra in (dict(weights), dict(k_norm_weight=weights["k_norm_weight"], norm_eps=1e-5),
+                  dict(weights, norm_style="gemma", return_k_rot=False, kv_layout=None)):
+        runs = []
+        for fast_path in (False, True):
+            if not fast_path:
+                monkeypatch.setattr(op, "_FAST_GEOMETRIES", set())
+            n = len(taken)
+            call = _call if extra.get("return_k_rot", True) else _call_without_k_rot
+            q_rot, k_rot, k_pool, v_pool, _ = call(a, positions, _kw(cfg, **extra), kernel_device)
+            assert len(taken) == n + fast_path, extra
+            runs.append([None if x is None else raw_bits(x) for x in (q_rot, k_rot, k_pool, v_pool)])
+        for name, slow, quick in zip(("q_rot", "k_rot", "k_pool", "v_pool"), *runs):
+            assert (slow is None) == (quick is None), name
+            if slow is not None:
+                np.testing.assert_array_equal(slow, quick, f"{name} {extra}")
+    n = len(taken)
+    assert _bad_call(a, positions, _kw(cfg, **weights, norm_eps=0.0)).startswith(
+        "rope_pool_fused: norm_eps must be finite and > 0")
+    assert _bad_call(a, positions, _kw(cfg, **weights, norm_style="layer")) == (
+        "rope_pool_fused: norm_style must be 'rms' or 'gemma', got 'layer'")
+    assert len(taken) == n + 2  # (validate_rope_pool has no fast path)
+    args = (a["q"], a["k"], a["v"], positions, a["slots"], a["k_pool"].clone(), a["v_pool"].clone())
+    with pytest.raises(TypeError, match="norm_style must be a str"):
+        ropepool.rope_pool_fused(*args, **_kw(cfg, **weights, norm_style=1))
+    with pytest.raises(TypeError, match="q_norm_weight/k_norm_weight must be torch.Tensors"):
+        ropepool.rope_pool_fused(*args, **_kw(cfg, q_norm_weight=weights["q_norm_weight"].numpy()))
+    assert len(taken) == n + 2
+
+
+def _call_without_k_rot(a, positions, kw, device):
+    """_call with return_k_rot=False: k_rot is None and k unchanged."""
+    k = a["k"].to(device)
+    before = raw_bits(k)
+    k_pool, v_pool = a["k_pool"].clone().to(device), a["v_pool"].clone().to(device)
+    kw = {n: (w.to(device) if isinstance(w, torch.Tensor) else w) for n, w in kw.items()}
+    q_rot, k_rot, kp, vp = ropepool.rope_pool_fused(
+        a["q"].to(device), k, a["v"].to(device), positions.to(device), a["slots"].to(device),
+        k_pool, v_pool, **kw)
+    assert k_rot is None and kp is k_pool and vp is v_pool
+    np.testing.assert_array_equal(raw_bits(k), before, "k was modified")
+    return q_rot.cpu(), None, k_pool.cpu(), v_pool.cpu(), None
+
+
 def test_fusion_weights_overlapping_an_output_are_rejected(rng):
     cfg = dict(QWEN3_4B, num_qo_heads=4, num_kv_heads=2)
     T = 6

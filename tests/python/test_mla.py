@@ -290,6 +290,40 @@ def test_neox_pairs_and_default_schedule(rng):
     call.check_cache(k_rot)
 
 
+def test_rope_scaling_schedule_made_once(rng, monkeypatch):
+    """A rope_scaling dict passed on every call (as engines pass config.rope_scaling): the
+    first call makes its schedule, later calls with an equal dict reuse it (rope_pool_fused's
+    memo), with the bits of schedule=; a changed dict gets its own; a bad one raises each
+    time."""
+    monkeypatch.setattr(ropepool._op, "_SCALING_SCHEDULES", {})
+    monkeypatch.setattr(ropepool._mla, "_SCALING_SCHEDULES", ropepool._op._SCALING_SCHEDULES)
+    c = CONFIGS["deepseek-v3"]
+    call = Call(rng, dtype="bfloat16", device="cpu", T=7, H=4)
+    made = []
+    real = ropepool._mla.rope_schedule
+    monkeypatch.setattr(ropepool._mla, "rope_schedule", lambda **kw: made.append(1) or real(**kw))
+
+    def run(**kw):
+        cache = call.kv_cache.clone()
+        q_rot, k_rot, _ = ropepool.mla_rope_pool_fused(*call.args()[:5], cache,
+                                                       rope_base=10000.0, **kw)
+        return [raw_bits(x) for x in (q_rot, k_rot, cache)]
+
+    scaling = dict(c["rope_scaling"])
+    want = run(schedule=schedule_of("deepseek-v3"))
+    for i in range(3):
+        for x, y in zip(run(rope_scaling=scaling), want):
+            np.testing.assert_array_equal(x, y)
+        assert len(made) == 1, f"call {i}: the schedule made again"
+    scaling["factor"] = 8
+    changed = run(rope_scaling=scaling)
+    assert len(made) == 2 and not (changed[0] == want[0]).all()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="^mla_rope_pool_fused: .*beta_fast"):
+            run(rope_scaling=dict(scaling, beta_fast="fast"))
+    assert len(made) == 4
+
+
 def test_numpy_arrays(rng):
     T, H = 5, 4
     q_pe = rng.uniform(-2, 2, (T, H, 64)).astype(np.float32)

@@ -213,3 +213,73 @@ def test_eager_fast_path_matches_the_op(kernel_device, rng, monkeypatch):
     with pytest.raises(TypeError, match="head_dim"):
         ropepool.rope_pool_fused(*bad.args(), head_dim=True, num_qo_heads=4, num_kv_heads=2,
                                  rope_base=12345.0)
+
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def test_schedules_on_the_eager_fast_path(kernel_device, rng, monkeypatch):
+    """A schedule= made by rope_schedule, and a rope_scaling dict an earlier call has made a
+    schedule from, take the fast path: the same bits as the first call (the keyword
+    machinery) and as schedule=. A changed dict makes its own schedule; a bad dict raises
+    every time; a schedule made for another rope_base is still the slow path's error."""
+    import ropepool._op as op
+    monkeypatch.setattr(op, "_FAST_GEOMETRIES", set())
+    monkeypatch.setattr(op, "_SCALING_SCHEDULES", {})
+    taken = []
+    fast = op._fast_keyword_call
+    monkeypatch.setattr(op, "_fast_keyword_call", lambda *a: taken.append(a[-1]) or fast(*a))
+    case = make_case("torch", "bfloat16", rng, T=6, Hq=4, Hk=2, D=64, P=16,
+                     device=kernel_device, rope_base=500000.0)
+    case.positions.copy_(torch.from_numpy(rng.integers(2**15, 2**17, size=6)).to(case.positions))
+
+    def call(**kw):
+        run = clone_case(case)
+        q_rot, k_rot, k_pool, v_pool = ropepool.rope_pool_fused(*run.args(), **run.kwargs(**kw))
+        return [raw_bits(x) for x in (q_rot, k_rot, k_pool, v_pool)]
+
+    def same(a, b, what):
+        for name, x, y in zip(("q_rot", "k_rot", "k_pool", "v_pool"), a, b):
+            np.testing.assert_array_equal(x, y, f"{name}: {what}")
+
+    def schedule(scaling):
+        return ropepool.rope_schedule(head_dim=64, rope_base=500000.0, rope_scaling=scaling)
+
+    scaling = dict(LLAMA3_SCALING)
+    first = call(rope_scaling=scaling)  # registers the geometry and the dict's schedule
+    assert taken == []
+    again = call(rope_scaling=scaling)
+    assert len(taken) == 1 and taken[-1].inv_freq == schedule(scaling).inv_freq
+    same(first, again, "rope_scaling, fast path")
+    sched = schedule(scaling)
+    same(first, call(schedule=sched), "schedule=")
+    assert len(taken) == 2 and taken[-1] is sched
+    plain = call()
+    assert len(taken) == 2, "a plain call is _fast_call's"
+    assert not (first[0] == plain[0]).all(), "llama3 changes the rotation at these positions"
+    # a changed dict: its own schedule (slow, then fast)
+    scaling["factor"] = 32.0
+    changed = call(rope_scaling=scaling)
+    assert len(taken) == 2
+    same(changed, call(schedule=schedule(scaling)), "factor 32")
+    assert not (changed[0] == first[0]).all()
+    n = len(taken)
+    same(changed, call(rope_scaling=scaling), "factor 32, fast path")
+    assert len(taken) == n + 1
+    # a bad dict raises on every call; another rope_base's schedule is an error
+    bad = dict(LLAMA3_SCALING, rope_type="llama4")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="llama4"):
+            call(rope_scaling=bad)
+    with pytest.raises(ValueError, match="disagrees with the schedule"):
+        call(schedule=ropepool.rope_schedule(head_dim=64, rope_base=10000.0))
+    with pytest.raises(ValueError, match="schedule replaces rope_scaling"):
+        call(schedule=sched, rope_scaling=dict(LLAMA3_SCALING))
+    assert len(taken) == n + 1
+    # int and float values are different keys (each made once, the same schedule here)
+    as_int = dict(LLAMA3_SCALING, factor=8)
+    same(first, call(rope_scaling=as_int), "factor 8 (int)")
+    assert len(taken) == n + 1
+    same(first, call(rope_scaling=as_int), "factor 8 (int), fast path")
+    assert len(taken) == n + 2
