@@ -11,8 +11,8 @@
 #                           # pytest runs only the GPU cases (-m gpu)
 #   GPU_CHECK_PROFILE=1 ...                        # also Nsight Compute on the C++ benchmark
 #   GPU_CHECK_PROFILE_TOKENS="1 256" ...           # its token counts (default 1 64 4096 65536)
-#   GPU_CHECK_BENCHES="py mla" ...  # which benchmarks step 6 runs (default: cpp py mla), so
-#                                   # that the long ones can go in separate calls
+#   GPU_CHECK_BENCHES="py mla" ...  # which benchmarks step 6 runs (default: cpp py mla host),
+#                                   # so that the long ones can go in separate calls
 #   GPU_BENCH_CPP_ARGS="--pools --tokens 1,4096" ...   # arguments of the C++ benchmark
 #   GPU_BENCH_ARGS="--tokens 1 --cache-tokens ''" ...  # extra arguments of bench/gpu_bench.py
 #   GPU_BENCH_MLA_ARGS="--heads 128" ...               # and of bench/gpu_bench_mla.py
@@ -51,7 +51,8 @@
 #   6. the C++ benchmark (bench/cuda: the kernel alone, with and without PDL) and
 #      bench/gpu_bench.py (ropepool vs PyTorch eager, torch.compile, copy; then its SPEC §6
 #      cache-format and SPEC §7 fusion sections at their default token counts), and
-#      bench/gpu_bench_mla.py (mla_rope_pool_fused vs PyTorch eager, torch.compile, copy)
+#      bench/gpu_bench_mla.py (mla_rope_pool_fused vs PyTorch eager, torch.compile, copy), and
+#      bench/torch_overhead.py (host time per torch call at T = 1, by keyword set)
 # Logs go to $OUT (or ./gpu-check-logs): at most 8 files. A summary table is printed last.
 # Exit status: 0 when every step passed.
 set -uo pipefail
@@ -291,7 +292,7 @@ fi
 if [ "${GPU_CHECK_BENCH:-1}" = 0 ]; then
   step "benchmarks" 0 "SKIPPED" "GPU_CHECK_BENCH=0"
 else
-  BENCHES=" ${GPU_CHECK_BENCHES:-cpp py mla} "
+  BENCHES=" ${GPU_CHECK_BENCHES:-cpp py mla host} "
   if [ -x "$CUDA_BENCH" ] && [[ $BENCHES == *" cpp "* ]]; then
     # The kernel alone from C++ (no Python), with and without PDL.
     run_step "CUDA C++ bench (bench/cuda)" "$LOGS/selftest.log" 420 "$CUDA_BENCH" ${GPU_BENCH_CPP_ARGS:-}
@@ -308,6 +309,9 @@ else
     [[ $BENCHES == *" mla "* ]] && run_step "bench/gpu_bench_mla.py" "$LOGS/bench.log" 360 \
       bash -c "cd /tmp && ROPEPOOL_BENCH_WATCHDOG_S=${ROPEPOOL_BENCH_MLA_WATCHDOG_S:-330} \
         $PY '$ROOT/bench/gpu_bench_mla.py' --json '' ${GPU_BENCH_MLA_ARGS:-}"
+    # Host µs per torch call at T = 1 by keyword set (and FlashInfer's, where it imports).
+    [[ $BENCHES == *" host "* ]] && run_step "bench/torch_overhead.py" "$LOGS/bench.log" 120 \
+      bash -c "cd /tmp && $PY '$ROOT/bench/torch_overhead.py' --device cuda"
   fi
 fi
 
