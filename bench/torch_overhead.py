@@ -7,8 +7,9 @@ on CUDA where FlashInfer imports, FlashInfer's fused fp8 kernel writing the same
     .venv/bin/python bench/torch_overhead.py [--device cpu|cuda] [--calls N] [--rounds R]
                                              [--threads N]
 
-Each row times R rounds of N back-to-back calls and reports the median round's µs per call
-(p10-p90 over the rounds), and the time above the binding's call of the same row family.
+Each row times R rounds of N back-to-back calls (the rows take turns, round by round) and
+reports the median round's µs per call (p10-p90 over the rounds), and the time above the
+binding's call of the same row family.
 On the CPU the kernel runs inside each call (T = 1, inputs in cache); on CUDA a call is the
 host's work up to the launch (the GPU runs each kernel in about 2-3 µs, so the host sets
 the pace; the queue is drained between rounds, outside the timing). The first call of each
@@ -116,17 +117,19 @@ def main():
     for _, _, call in table:  # schedules made, geometries registered
         call()
     sync()
-    results = {}
-    for name, family, call in table:
-        per_round = []
-        for _ in range(args.rounds):
+    # Rows take turns round by round, so that a slow stretch of the host lands on all rows.
+    samples = {name: [] for name, _, _ in table}
+    for _ in range(args.rounds):
+        for name, _, call in table:
             sync()
             t0 = time.perf_counter_ns()
             for _ in range(args.calls):
                 call()
-            per_round.append((time.perf_counter_ns() - t0) / args.calls / 1e3)
-        sync()
-        per_round.sort()
+            samples[name].append((time.perf_counter_ns() - t0) / args.calls / 1e3)
+    sync()
+    results = {}
+    for name, family, _ in table:
+        per_round = sorted(samples[name])
         results[name] = (family, statistics.median(per_round),
                          per_round[len(per_round) // 10], per_round[(9 * len(per_round)) // 10])
     base = {family: t for name, (family, t, _, _) in results.items() if name.startswith("binding")}
