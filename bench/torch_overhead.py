@@ -34,14 +34,17 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 FP8 = torch.float8_e4m3fn
 
 
-def rows(device):
-    """(name, family, call) for every row; family names the binding row it is compared with."""
+def rows(device, pool_rows=65536):
+    """(name, family, call) for every row; family names the binding row it is compared with.
+    The pools have pool_rows rows (the paged caches as many, in pages of 16)."""
     bf16 = dict(dtype=torch.bfloat16, device=device)
     q, k, v = (torch.randn(1, h, D, **bf16) for h in (HQ, HK, HK))
     positions = torch.tensor([70000], dtype=torch.int32, device=device)
-    slots = torch.tensor([1234], dtype=torch.int32, device=device)
-    k_pool, v_pool = torch.randn(65536, HK, D, **bf16), torch.randn(65536, HK, D, **bf16)
-    paged = torch.randn(4096, 2, 16, HK, D, **bf16)  # FlashInfer's [pages, 2, 16, Hk, D]
+    slot = pool_rows // 2 + 3
+    slots = torch.tensor([slot], dtype=torch.int32, device=device)
+    k_pool, v_pool = torch.randn(pool_rows, HK, D, **bf16), torch.randn(pool_rows, HK, D, **bf16)
+    # FlashInfer's [pages, 2, 16, Hk, D]
+    paged = torch.randn(pool_rows // 16, 2, 16, HK, D, **bf16)
     paged8 = paged.to(FP8)
     paged, paged8 = (paged[:, 0], paged[:, 1]), (paged8[:, 0], paged8[:, 1])  # the K, V halves
     scale = {n: torch.tensor([0.5], device=device) for n in ("k", "v", "q")}
@@ -84,7 +87,7 @@ def rows(device):
         theta = torch.arange(1 << 17, dtype=torch.float64, device=device)[:, None] * inv_freq
         cos_sin = torch.cat([torch.cos(theta), torch.sin(theta)], dim=1).float()
         i32 = dict(dtype=torch.int32, device=device)
-        page, in_page = torch.tensor([1234 // 16], **i32), torch.tensor([1234 % 16], **i32)
+        page, in_page = torch.tensor([slot // 16], **i32), torch.tensor([slot % 16], **i32)
         indptr, batch = torch.tensor([0, 1], **i32), torch.tensor([0], **i32)
         table.append((f"FlashInfer {fi.__version__} fused: fp8 NHD 16, fp8 q, no k_rot", "fp8",
                       lambda: fi.rope.rope_quantize_fp8_append_paged_kv_cache(
@@ -104,16 +107,17 @@ def flashinfer():
         return None
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--calls", type=int, default=200, help="calls per round")
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1, help="ropepool CPU threads")
-    args = ap.parse_args()
+    ap.add_argument("--pool-rows", type=int, default=65536)
+    args = ap.parse_args(argv)
     ropepool.set_num_threads(args.threads)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    table = rows(args.device)
+    table = rows(args.device, args.pool_rows)
     for _, _, call in table:  # schedules made, geometries registered
         call()
     sync()
