@@ -1,6 +1,7 @@
 """Host cost per call of `ropepool.rope_pool_fused` on torch tensors at T = 1, by the keywords
 the call passes (Llama-3-8B attention: num_qo_heads 32, num_kv_heads 8, head_dim 128,
-bfloat16, rope_base 500000), next to the binding's call (`_ropepool.rope_pool_fused_into`
+bfloat16, rope_base 500000; and `mla_rope_pool_fused` with DeepSeek-V3's yarn schedule at 16
+heads), next to the binding's call (`_ropepool.rope_pool_fused_into`
 with the same arrays and preallocated outputs: validation, and the kernel or its launch) and,
 on CUDA where FlashInfer imports, FlashInfer's fused fp8 kernel writing the same outputs.
 
@@ -32,6 +33,8 @@ KW = dict(head_dim=D, num_qo_heads=HQ, num_kv_heads=HK, rope_base=BASE)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
 FP8 = torch.float8_e4m3fn
+YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # DeepSeek-V3's config.json
 
 
 def rows(device, pool_rows=65536):
@@ -78,6 +81,25 @@ def rows(device, pool_rows=65536):
         ("fp8 NHD 16, fp8 q, no k_rot", "fp8",
          op(paged8, **fp8, q_out_dtype=FP8, q_scale=scale["q"],
             return_k_rot=False)),
+    ]
+    # DeepSeek-V3's MLA at 16 heads per rank (TP-8): q_pe a view of q [T, 16, 192], k_pe and
+    # kv_c column slices of one [T, 576] projection output, a [P, 576] latent cache
+    qm = torch.randn(1, 16, 192, **bf16)
+    kv = torch.randn(1, 576, **bf16)
+    mla_in = (qm[..., 128:], kv[:, 512:], kv[:, :512], positions, slots)
+    latent = torch.randn(pool_rows, 576, **bf16)
+    mla_sched = ropepool.rope_schedule(head_dim=64, rope_base=10000.0, rope_scaling=YARN)
+    q_pe_rot, k_pe_rot = torch.empty_like(mla_in[0]), torch.empty_like(mla_in[1])
+    table += [
+        ("binding: MLA", "mla", lambda: _ropepool.mla_rope_pool_fused_into(
+            *mla_in, latent, q_pe_rot, k_pe_rot, rope_base=10000.0, interleaved=True,
+            inv_freq=mla_sched.inv_freq, attention_scaling=mla_sched.attention_scaling,
+            nhd=False, kv_scale=None, kv_scale_tensor=None, check_slots=False,
+            exporter=to_dlpack, stream=stream())),
+        ("MLA yarn rope_scaling dict", "mla", lambda: ropepool.mla_rope_pool_fused(
+            *mla_in, latent, rope_base=10000.0, rope_scaling=YARN)),
+        ("MLA schedule=", "mla", lambda: ropepool.mla_rope_pool_fused(
+            *mla_in, latent, rope_base=10000.0, schedule=mla_sched)),
     ]
     fi = flashinfer() if q.is_cuda else None
     if fi is not None:

@@ -20,6 +20,7 @@ except ImportError:  # NumPy / DLPack use needs no torch
     torch = None
 
 _OP = "mla_rope_pool_fused"
+_FAST_TENSOR: Any = None  # torch.Tensor where torch is installed (the fast path's type test)
 _TENSOR_ARGS = ("q_pe", "k_pe", "kv_c", "positions", "slots", "kv_cache")
 _SCHEDULE_KEYWORDS = ("rope_scaling", "inv_freq", "attention_scaling", "max_position_embeddings",
                       "original_max_position_embeddings", "seq_len")
@@ -156,6 +157,16 @@ def mla_rope_pool_fused(
         ``return_k_rot=False``); kv_cache is the very object passed in, written in place.
     """
     tensors = (q_pe, k_pe, kv_c, positions, slots, kv_cache)
+    # The common decode-step call (plain torch tensors, eager, every keyword of the one Python
+    # type the checks below pass through unchanged, a schedule made by rope_schedule or a
+    # rope_scaling dict an earlier call made one from) goes straight to the op's kernel
+    # function; the core validates every call, so errors are the same.
+    scalars = _fast_scalars(tensors, rope_base, rope_scaling, max_position_embeddings,
+                            original_max_position_embeddings, seq_len, inv_freq,
+                            attention_scaling, schedule, interleaved, kv_scale, kv_layout,
+                            inplace, check_slots, return_k_rot) if _FAST_TENSOR else None
+    if scalars is not None:
+        return _eager_call(tensors, scalars, inplace, return_k_rot)
     if torch is None or not all(isinstance(t, torch.Tensor) for t in tensors):
         _refuse_immutable(_OP, zip(_TENSOR_ARGS, tensors))
     rope_base, freqs, att, nhd, scale_value, scale_tensor = _options(
@@ -169,23 +180,14 @@ def mla_rope_pool_fused(
             # No k_pe_rot: ops of their own, whose schemas name what they write (the cache,
             # and q_pe in place), so k_pe is only read under torch.compile too.
             if _plain_eager(tensors):
-                if inplace:
-                    _mla_no_k_rot_inplace_kernel(*tensors, *scalars)
-                    return q_pe, None, kv_cache
-                return _mla_no_k_rot_kernel(*tensors, *scalars), None, kv_cache
+                return _eager_call(tensors, scalars, inplace, False)
             if inplace:
                 torch.ops.ropepool.mla_rope_pool_fused_no_k_rot_(*tensors, *scalars)
                 return q_pe, None, kv_cache
             q_rot = torch.ops.ropepool.mla_rope_pool_fused_no_k_rot(*tensors, *scalars)
             return q_rot, None, kv_cache
         if _plain_eager(tensors):
-            # As rope_pool_fused: eager calls on plain tensors run the op's kernel function
-            # directly, without the dispatcher's Python overhead.
-            if inplace:
-                _mla_inplace_kernel(*tensors, *scalars)
-                return q_pe, k_pe, kv_cache
-            q_rot, k_rot = _mla_kernel(*tensors, *scalars)
-            return q_rot, k_rot, kv_cache
+            return _eager_call(tensors, scalars, inplace, True)
         if inplace:
             torch.ops.ropepool.mla_rope_pool_fused_(*tensors, *scalars)
             return q_pe, k_pe, kv_cache
@@ -242,6 +244,7 @@ if torch is None:
 else:
     from ropepool._op import _LIB, _plain_eager
     from ropepool._torch_compat import current_device as _current_device
+    from ropepool._torch_compat import current_dispatch_mode as _dispatch_mode
     from ropepool._torch_compat import current_raw_stream as _current_raw_stream
     from ropepool._torch_compat import increment_version as _increment_version
     from ropepool._torch_compat import to_dlpack as _to_dlpack
@@ -281,6 +284,65 @@ else:
     def _new_output(x):
         """q_pe_rot/k_pe_rot: uninitialised, contiguous, x's dtype and device."""
         return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    _FAST_TENSOR = torch.Tensor
+    _is_compiling = torch.compiler.is_compiling
+
+    def _eager_call(tensors, scalars, inplace, k_rot_wanted):
+        """As rope_pool_fused: eager calls on plain tensors run the op's kernel function
+        directly, without the dispatcher's Python overhead."""
+        q_pe, k_pe, kv_cache = tensors[0], tensors[1], tensors[5]
+        if not k_rot_wanted:
+            if inplace:
+                _mla_no_k_rot_inplace_kernel(*tensors, *scalars)
+                return q_pe, None, kv_cache
+            return _mla_no_k_rot_kernel(*tensors, *scalars), None, kv_cache
+        if inplace:
+            _mla_inplace_kernel(*tensors, *scalars)
+            return q_pe, k_pe, kv_cache
+        q_rot, k_rot = _mla_kernel(*tensors, *scalars)
+        return q_rot, k_rot, kv_cache
+
+    def _fast_scalars(tensors, rope_base, rope_scaling, max_position_embeddings,
+                      original_max_position_embeddings, seq_len, inv_freq, attention_scaling,
+                      schedule, interleaved, kv_scale, kv_layout, inplace, check_slots,
+                      return_k_rot):
+        """The op's scalars for a call the fast path takes, else None: plain tensors, eager,
+        a float rope_base, bools, kv_layout None or "NHD", kv_scale None, a float or a plain
+        tensor, and the schedule of rope_base (none; a RopeSchedule made for it; a
+        rope_scaling dict alone whose schedule an earlier call made)."""
+        for t in tensors:
+            if type(t) is not _FAST_TENSOR:
+                return None
+        if type(rope_base) is not float or max_position_embeddings is not None \
+                or original_max_position_embeddings is not None or seq_len is not None \
+                or inv_freq is not None or attention_scaling is not None:
+            return None
+        for flag in (interleaved, inplace, check_slots, return_k_rot):
+            if flag is not True and flag is not False:
+                return None
+        if kv_layout is not None and (type(kv_layout) is not str or kv_layout != "NHD"):
+            return None
+        if kv_scale is not None and type(kv_scale) is not float \
+                and type(kv_scale) is not _FAST_TENSOR:
+            return None
+        if rope_scaling is not None:
+            if schedule is not None or tensors[0].dim() != 3:
+                return None
+            schedule = _SCALING_SCHEDULES.get(
+                _scaling_key(tensors[0].shape[-1], rope_base, rope_scaling))
+            if schedule is None:
+                return None
+        if schedule is not None and (type(schedule) is not RopeSchedule
+                                     or (schedule.rope_base and schedule.rope_base != rope_base)):
+            return None
+        if _is_compiling() or _dispatch_mode() is not None:
+            return None
+        tensor_scale = kv_scale if type(kv_scale) is _FAST_TENSOR else None
+        return (tensor_scale, rope_base, interleaved,
+                None if schedule is None else schedule.inv_freq,
+                1.0 if schedule is None else schedule.attention_scaling,
+                kv_layout is not None, kv_scale if tensor_scale is None else None, check_slots)
 
     def _mla_kernel(q_pe, k_pe, kv_c, positions, slots, kv_cache, *scalars):
         q_rot = _new_output(q_pe)

@@ -324,6 +324,92 @@ def test_rope_scaling_schedule_made_once(rng, monkeypatch):
     assert len(made) == 4
 
 
+MLA_FAST_CALLS = [
+    dict(),
+    dict(schedule="deepseek-v3"),
+    dict(rope_scaling="deepseek-v3"),
+    dict(rope_scaling="deepseek-v3", kv_layout="NHD", kv_scale=0.375, cache="fp8"),
+    dict(schedule="deepseek-v3", kv_layout="NHD", kv_scale="tensor", cache="fp8",
+         return_k_rot=False),
+    dict(interleaved=False, inplace=True),
+    dict(schedule="deepseek-v3", inplace=True, return_k_rot=False),
+]
+
+
+@pytest.mark.parametrize("case", range(len(MLA_FAST_CALLS)))
+def test_eager_fast_path(kernel_device, rng, monkeypatch, case):
+    """Eager torch calls whose keywords have the plain Python types take the fast path
+    (straight to the op's kernel function): every output bit for bit the keyword machinery's
+    (the fast path switched off), the caller's objects returned; a rope_scaling dict once an
+    earlier call made its schedule."""
+    spec = dict(MLA_FAST_CALLS[case])
+    fp8 = spec.pop("cache", None) == "fp8"
+    taken = []
+    fast = ropepool._mla._fast_scalars
+    monkeypatch.setattr(ropepool._mla, "_fast_scalars",
+                        lambda *a: taken.append(fast(*a)) or taken[-1])
+    call = Call(rng, dtype="bfloat16", device=kernel_device, T=9, H=8,
+                page_size=16 if spec.get("kv_layout") else 0,
+                cache_dtype=torch.float8_e4m3fn if fp8 else None)
+
+    def run():
+        kw = dict(spec)
+        if kw.get("schedule"):
+            kw["schedule"] = schedule_of(kw["schedule"])
+        if kw.get("rope_scaling"):
+            kw["rope_scaling"] = dict(CONFIGS[kw["rope_scaling"]]["rope_scaling"])
+        if kw.get("kv_scale") == "tensor":
+            kw["kv_scale"] = torch.tensor([0.375], device=kernel_device)
+        q_pe, k_pe, cache = call.q_pe.clone(), call.k_pe.clone(), call.kv_cache.clone()
+        out = ropepool.mla_rope_pool_fused(q_pe, k_pe, *call.args()[2:5], cache,
+                                           rope_base=10000.0, **kw)
+        assert out[2] is cache
+        if kw.get("inplace"):
+            assert out[0] is q_pe and out[1] is (k_pe if kw.get("return_k_rot", True) else None)
+        assert (out[1] is None) == (kw.get("return_k_rot", True) is False)
+        return [None if x is None else raw_bits(x) for x in (*out[:2], cache, k_pe)]
+
+    with monkeypatch.context() as m:
+        m.setattr(ropepool._mla, "_FAST_TENSOR", None)
+        slow = run()
+    assert taken == []
+    run()  # a rope_scaling dict: this call makes the schedule the next one reuses
+    quick = run()
+    assert taken[-1] is not None, "the fast path"
+    for name, x, y in zip(("q_pe_rot", "k_pe_rot", "kv_cache", "k_pe"), slow, quick):
+        assert (x is None) == (y is None), name
+        if x is not None:
+            np.testing.assert_array_equal(x, y, name)
+
+
+def test_fast_path_errors_are_the_slow_paths(rng, monkeypatch):
+    """Bad values reach the core on the fast path and raise its messages, which are the slow
+    path's; keyword types only the slow path checks are its errors, never the fast path's."""
+    call = Call(rng, dtype="bfloat16", device="cpu", T=5, H=4)
+    cache8 = call.kv_cache.to(torch.float8_e4m3fn)
+
+    def message(fast_on, cache, **kw):
+        with monkeypatch.context() as m:
+            if not fast_on:
+                m.setattr(ropepool._mla, "_FAST_TENSOR", None)
+            before = raw_bits(cache)
+            with pytest.raises((ValueError, TypeError)) as info:
+                ropepool.mla_rope_pool_fused(*call.args()[:5], cache, **kw)
+            np.testing.assert_array_equal(raw_bits(cache), before)
+            return type(info.value), str(info.value)
+
+    for cache, kw in [(cache8, dict(rope_base=10000.0, kv_scale=0.0)),
+                      (cache8, dict(rope_base=10000.0, kv_scale=torch.tensor([1.0, 2.0]))),
+                      (call.kv_cache, dict(rope_base=10000.0, kv_scale=0.5)),
+                      (call.kv_cache, dict(rope_base=10000.0, kv_layout="NHD")),
+                      (call.kv_cache, dict(rope_base=-1.0)),
+                      (call.kv_cache, dict(rope_base=10000.0, kv_layout="HND")),
+                      (call.kv_cache, dict(rope_base=True)),
+                      (call.kv_cache, dict(rope_base=10000.0, kv_scale="1")),
+                      (call.kv_cache, dict(rope_base=10000.0, schedule=schedule_of("kimi-k2")))]:
+        assert message(True, cache, **kw) == message(False, cache, **kw), kw
+
+
 def test_numpy_arrays(rng):
     T, H = 5, 4
     q_pe = rng.uniform(-2, 2, (T, H, 64)).astype(np.float32)

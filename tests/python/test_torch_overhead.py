@@ -19,6 +19,11 @@ def test_every_row_makes_the_call_its_name_says():
         if name.startswith("binding"):
             assert out is None, name
             continue
+        if family == "mla":
+            q_rot, k_rot, latent = out
+            assert q_rot.shape == (1, 16, 64) and k_rot.shape == (1, 64), name
+            results[name] = q_rot
+            continue
         q_rot, k_rot, k_pool, v_pool = out
         assert q_rot.dtype == (torch.float8_e4m3fn if "fp8 q" in name else torch.bfloat16), name
         assert (k_rot is None) == ("no k_rot" in name), name
@@ -29,6 +34,7 @@ def test_every_row_makes_the_call_its_name_says():
     assert torch.equal(results["llama3 rope_scaling dict"], results["llama3 schedule="])
     assert not torch.equal(results["llama3 schedule="], plain)  # position 70000: scaled
     assert not torch.equal(results["QK norm (weights in bf16)"], plain)
+    assert torch.equal(results["MLA yarn rope_scaling dict"], results["MLA schedule="])
 
 
 def test_prints_one_line_per_row(capsys):
