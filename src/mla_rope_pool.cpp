@@ -165,6 +165,16 @@ struct Checker {
       if (m.rfind(prefix, 0) == 0) m = m.substr(prefix.size());
       fail(m, e.hint());
     }
+    // SPEC §7's multimodal sections pick a position row per frequency; this op takes one
+    // position per token, so a schedule with them would have its sections ignored.
+    if (!schedule->mrope_section.empty()) {
+      std::string got = "[";
+      for (size_t i = 0; i < schedule->mrope_section.size(); ++i)
+        got += (i ? ", " : "") + std::to_string(schedule->mrope_section[i]);
+      fail("the schedule is multimodal (mrope_section = " + got +
+               "]); positions here are one per token and the sections would be ignored",
+           "make the schedule (or rope_scaling) without mrope_section");
+    }
     if (!is_float(t.q_pe.dtype))
       fail(std::string("unsupported dtype ") + dtype_name(t.q_pe.dtype) +
            " for q_pe/k_pe/kv_c; expected float32, float16 or bfloat16");

@@ -100,6 +100,14 @@ def _options(q_pe, rope_base, rope_scaling, max_position_embeddings,
                 raise _renamed(err) from None
             if only_scaling:
                 _remember_scaling_schedule(rope_dim, rope_base, rope_scaling, schedule)
+    section = getattr(schedule, "mrope_section", None)
+    if section is not None:
+        # The core's check (src/mla_rope_pool.cpp), which never sees the schedule's sections:
+        # only inv_freq and attention_scaling travel to it.
+        err = ValueError(f"{_OP}: the schedule is multimodal (mrope_section = {list(section)}); "
+                         "positions here are one per token and the sections would be ignored")
+        err.add_note("make the schedule (or rope_scaling) without mrope_section")
+        raise err
     freqs = None if schedule is None else list(schedule.inv_freq)
     att = 1.0 if schedule is None else float(schedule.attention_scaling)
     return rope_base, freqs, att, nhd, scale_value, scale_tensor
@@ -334,6 +342,7 @@ else:
             if schedule is None:
                 return None
         if schedule is not None and (type(schedule) is not RopeSchedule
+                                     or schedule.mrope_section is not None
                                      or (schedule.rope_base and schedule.rope_base != rope_base)):
             return None
         if _is_compiling() or _dispatch_mode() is not None:

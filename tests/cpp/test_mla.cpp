@@ -361,6 +361,20 @@ TEST_F(Mla, ValidationMessages) {
         P + "rope_base must be finite and > 0, got -1.000000", s);
   fresh([](MlaCase& c) { c.params.rope_scaling.type = RopeType::Linear, c.params.rope_scaling.factor = 0; },
         P + "rope_scaling 'linear' needs factor > 0, got 0", s);
+  // A multimodal schedule (SPEC §7), from rope_scaling or made beforehand: its sections would
+  // be ignored (one position per token here).
+  const std::string multimodal =
+      P + "the schedule is multimodal (mrope_section = [2, 3, 3]); positions here are one per token "
+          "and the sections would be ignored";
+  fresh([](MlaCase& c) { c.params.rope_scaling.mrope_section = std::vector<int64_t>{2, 3, 3}; },
+        multimodal, s);
+  RopePoolParams made_for;
+  made_for.head_dim = 16;
+  made_for.rope_base = 10000;
+  made_for.rope_scaling.mrope_section = std::vector<int64_t>{2, 3, 3};
+  const RopeSchedule multimodal_schedule = make_rope_schedule(made_for);
+  fresh([&](MlaCase& c) { c.params.rope_base = 10000, c.params.schedule = &multimodal_schedule; },
+        multimodal, s);
   fresh([](MlaCase& c) {
           for (TensorView* v : {&c.tensors.q_pe, &c.tensors.k_pe, &c.tensors.kv_c, &c.tensors.kv_cache,
                                 &c.tensors.q_out, &c.tensors.k_out})

@@ -474,6 +474,13 @@ def test_validation_messages(rng):
              "page_size, L + R] cache), got 'HND'", kv_layout="HND")
     rejected(call, P + "kv_scale is only used with a float8_e4m3fn kv_cache, got a bfloat16 cache",
              kv_scale=0.5)
+    # a multimodal schedule (SPEC §7): its sections would be ignored (one position per token)
+    multimodal = P + ("the schedule is multimodal (mrope_section = [8, 12, 12]); positions here "
+                      "are one per token and the sections would be ignored")
+    rejected(call, multimodal, schedule=ropepool.rope_schedule(
+        head_dim=64, rope_base=10000.0, mrope_section=[8, 12, 12]))
+    for _ in range(2):  # (the second call: a remembered dict's schedule)
+        rejected(call, multimodal, rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]})
     with pytest.raises(ValueError, match=r"^mla_rope_pool_fused: rope_scaling"):
         ropepool.mla_rope_pool_fused(*call.args(), rope_base=10000.0,
                                      rope_scaling={"type": "yarn", "factor": 40, "bogus": 1})
