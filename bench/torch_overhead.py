@@ -33,6 +33,7 @@ KW = dict(head_dim=D, num_qo_heads=HQ, num_kv_heads=HK, rope_base=BASE)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
 FP8 = torch.float8_e4m3fn
+QWEN2_VL = {"type": "mrope", "mrope_section": [16, 24, 24]}  # Qwen2-VL's config.json
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # DeepSeek-V3's config.json
 
@@ -43,6 +44,7 @@ def rows(device, pool_rows=65536):
     bf16 = dict(dtype=torch.bfloat16, device=device)
     q, k, v = (torch.randn(1, h, D, **bf16) for h in (HQ, HK, HK))
     positions = torch.tensor([70000], dtype=torch.int32, device=device)
+    positions3 = torch.tensor([[70000], [312], [517]], dtype=torch.int32, device=device)
     slot = pool_rows // 2 + 3
     slots = torch.tensor([slot], dtype=torch.int32, device=device)
     k_pool, v_pool = torch.randn(pool_rows, HK, D, **bf16), torch.randn(pool_rows, HK, D, **bf16)
@@ -73,6 +75,8 @@ def rows(device, pool_rows=65536):
          op((k_pool, v_pool), q_norm_weight=weight, k_norm_weight=weight, norm_eps=1e-6)),
         ("llama3 rope_scaling dict", "plain", op((k_pool, v_pool), rope_scaling=LLAMA3)),
         ("llama3 schedule=", "plain", op((k_pool, v_pool), schedule=schedule)),
+        ("Qwen2-VL mRoPE rope_scaling dict", "plain", lambda: ropepool.rope_pool_fused(
+            q, k, v, positions3, slots, k_pool, v_pool, **KW, rope_scaling=QWEN2_VL)),
         ("binding: fp8 NHD 16, fp8 q, no k_rot", "fp8", lambda: _ropepool.rope_pool_fused_into(
             *ins, *paged8, q_rot8, None, **KW, stream=stream(),
             exporter=to_dlpack, kv_layout="NHD", k_scale_tensor=scale["k"],

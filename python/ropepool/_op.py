@@ -296,9 +296,9 @@ def _remember_geometry(head_dim, num_qo_heads, num_kv_heads, rope_base):
 
 
 # Schedules made from a rope_scaling dict alone (no other schedule keyword, rotary_dim None),
-# by (head_dim, rope_base, the dict's items with their types): an engine passes its
-# config.rope_scaling on every call, and making the schedule costs more than the rest of a
-# decode call's host work. Only what a call has made without error is kept, so a dict that
+# by (head_dim, rope_base, the dict's items with their types, a list's elements too): an
+# engine passes its config.rope_scaling on every call, and making the schedule costs more
+# than the rest of a decode call's host work. Only what a call has made without error is kept, so a dict that
 # is wrong still raises each time. Bounded like _FAST_GEOMETRIES.
 _SCALING_SCHEDULES: dict = {}
 _NOT_FAST = object()  # the fast path's "no": a schedule it cannot use
@@ -306,15 +306,21 @@ _SCALING_VALUE_TYPES = (int, float, str, bool, type(None))
 
 
 def _scaling_key(head_dim, rope_base, rope_scaling):
-    """The memo's key, or None: not a dict, or values other than plain scalars (lists,
-    numpy numbers: made every call)."""
+    """The memo's key, or None: not a dict, or values other than plain scalars and lists of
+    ints and floats (numpy numbers, nested containers: made every call)."""
     if type(rope_scaling) is not dict:
         return None
     items = []
     for key, value in rope_scaling.items():
-        if type(value) not in _SCALING_VALUE_TYPES:
+        kind = type(value)
+        if kind is list or kind is tuple:  # mrope_section, ...: each element with its type
+            for x in value:
+                if type(x) is not int and type(x) is not float:
+                    return None
+            value = tuple((type(x), x) for x in value)
+        elif kind not in _SCALING_VALUE_TYPES:
             return None
-        items.append((key, type(value), value))
+        items.append((key, kind, value))
     return head_dim, rope_base, tuple(items)
 
 
@@ -865,14 +871,13 @@ if torch is not None:
                        rope_base) -> bool:
         """Whether a call with a schedule, SPEC §6's keywords, return_k_rot=False or SPEC
         §7's norm keywords can take the fast path: each keyword of the one Python type the
-        slow path passes through unchanged (a RopeSchedule without mRoPE made for this
-        rope_base, a str layout or style, float or plain-tensor scales, plain tensor weights,
+        slow path passes through unchanged (a RopeSchedule made for this rope_base, mRoPE
+        included, a str layout or style, float or plain-tensor scales, plain tensor weights,
         a float eps, torch.float8_e4m3fn), and none of the combinations only the slow path
         rejects (inplace with outputs or an fp8 q_rot, k_out without k_rot, a q_out whose
         dtype disagrees with q_out_dtype). The values are the core's to check, as on the slow
         path."""
         if schedule is not None and (type(schedule) is not RopeSchedule
-                                     or schedule.mrope_section is not None
                                      or (schedule.rope_base and schedule.rope_base != rope_base)):
             return False
         if kv_layout is not None and type(kv_layout) is not str:
@@ -926,6 +931,9 @@ if torch is not None:
         if schedule is not None:
             kwargs["schedule_inv_freq"] = schedule.inv_freq
             kwargs["schedule_attention_scaling"] = schedule.attention_scaling
+            if schedule.mrope_section is not None:  # SPEC §7: positions [3, T]
+                kwargs["mrope_section"] = schedule.mrope_section
+                kwargs["mrope_interleaved"] = schedule.mrope_interleaved
         if kv_layout is not None:
             kwargs["kv_layout"] = kv_layout
         if k_scale is not None:

@@ -465,6 +465,40 @@ def test_text_only_mrope_is_the_plain_result(kernel_device, rng, dtype, interlea
             np.testing.assert_array_equal(raw_bits(got[i]), raw_bits(plain[i]), what)
 
 
+@pytest.mark.parametrize("model", ["qwen2-vl", "qwen3-vl"])
+def test_mrope_on_the_eager_fast_path(kernel_device, rng, monkeypatch, model):
+    """The models' rope_scaling dicts (a list inside) passed on every call: the first call
+    makes the schedule, later ones take the fast path with its mRoPE sections, bit for bit
+    the first call and schedule=; a changed section list makes its own schedule."""
+    import ropepool._op as op
+    monkeypatch.setattr(op, "_FAST_GEOMETRIES", set())
+    monkeypatch.setattr(op, "_SCALING_SCHEDULES", {})
+    taken = []
+    fast = op._fast_keyword_call
+    monkeypatch.setattr(op, "_fast_keyword_call", lambda *a: taken.append(a[-1]) or fast(*a))
+    cfg = dict(QWEN2_VL_7B if model == "qwen2-vl" else QWEN3_VL_4B, num_qo_heads=4,
+               num_kv_heads=2)
+    T = 9
+    a = _inputs(rng, cfg, T, "bfloat16")
+    positions = torch.from_numpy(rng.integers(0, 2**16, size=(3, T)).astype(np.int64))
+    base = {n: cfg[n] for n in ("head_dim", "num_qo_heads", "num_kv_heads", "rope_base")}
+    scaling = {k: (list(v) if isinstance(v, list) else v) for k, v in cfg["rope_scaling"].items()}
+    runs = [_call(a, positions, dict(base, rope_scaling=scaling), kernel_device)]
+    assert taken == []
+    runs.append(_call(a, positions, dict(base, rope_scaling=scaling), kernel_device))
+    assert len(taken) == 1 and taken[-1].mrope_section == tuple(scaling["mrope_section"])
+    sched = ropepool.rope_schedule(head_dim=128, rope_base=cfg["rope_base"], rope_scaling=scaling)
+    runs.append(_call(a, positions, dict(base, schedule=sched), kernel_device))
+    assert len(taken) == 2 and taken[-1] is sched
+    for run in runs[1:]:
+        for i, what in enumerate(("q_rot", "k_rot", "k_pool", "v_pool")):
+            np.testing.assert_array_equal(raw_bits(run[i]), raw_bits(runs[0][i]), what)
+    scaling["mrope_section"] = scaling["mrope_section"][::-1]  # another split of the frequencies
+    other = _call(a, positions, dict(base, rope_scaling=scaling), kernel_device)
+    assert len(taken) == 2, "a changed list is a new key"
+    assert not np.array_equal(raw_bits(other[0]), raw_bits(runs[0][0]))
+
+
 def test_mrope_schedule_object(rng):
     """A schedule made once carries mrope_section; keyword, dict and schedule agree."""
     cfg = QWEN2_VL_7B

@@ -34,6 +34,7 @@ def test_every_row_makes_the_call_its_name_says():
     assert torch.equal(results["llama3 rope_scaling dict"], results["llama3 schedule="])
     assert not torch.equal(results["llama3 schedule="], plain)  # position 70000: scaled
     assert not torch.equal(results["QK norm (weights in bf16)"], plain)
+    assert not torch.equal(results["Qwen2-VL mRoPE rope_scaling dict"], plain)
     assert torch.equal(results["MLA yarn rope_scaling dict"], results["MLA schedule="])
 
 
