@@ -933,7 +933,7 @@ if torch is not None:
             kwargs["schedule_attention_scaling"] = schedule.attention_scaling
             if schedule.mrope_section is not None:  # SPEC §7: positions [3, T]
                 kwargs["mrope_section"] = schedule.mrope_section
-                kwargs["mrope_interleaved"] = schedule.mrope_interleaved
+                kwargs["mrope_interleaved"] = bool(schedule.mrope_interleaved)
         if kv_layout is not None:
             kwargs["kv_layout"] = kv_layout
         if k_scale is not None:
