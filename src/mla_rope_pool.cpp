@@ -29,11 +29,12 @@ using detail::strides_str;
   throw Error(std::string(kOp) + ": " + message, std::move(hint));
 }
 
-std::string dims(std::initializer_list<int64_t> d) {
+std::string dims(const std::vector<int64_t>& d) {
   std::string s = "[";
   for (int64_t x : d) s += (s.size() > 1 ? ", " : "") + std::to_string(x);
   return s + "]";
 }
+std::string dims(std::initializer_list<int64_t> d) { return dims(std::vector<int64_t>(d)); }
 
 // One memory location per element of a view with a contiguous last dimension (rank <= 3):
 // the outer dims of extent > 1, by increasing stride, each step over all the smaller ones span.
@@ -167,14 +168,10 @@ struct Checker {
     }
     // SPEC §7's multimodal sections pick a position row per frequency; this op takes one
     // position per token, so a schedule with them would have its sections ignored.
-    if (!schedule->mrope_section.empty()) {
-      std::string got = "[";
-      for (size_t i = 0; i < schedule->mrope_section.size(); ++i)
-        got += (i ? ", " : "") + std::to_string(schedule->mrope_section[i]);
-      fail("the schedule is multimodal (mrope_section = " + got +
-               "]); positions here are one per token and the sections would be ignored",
+    if (!schedule->mrope_section.empty())
+      fail("the schedule is multimodal (mrope_section = " + dims(schedule->mrope_section) +
+               "); positions here are one per token and the sections would be ignored",
            "make the schedule (or rope_scaling) without mrope_section");
-    }
     if (!is_float(t.q_pe.dtype))
       fail(std::string("unsupported dtype ") + dtype_name(t.q_pe.dtype) +
            " for q_pe/k_pe/kv_c; expected float32, float16 or bfloat16");

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Tuple
 
 from ropepool import _ropepool
-from ropepool._op import (_SCALING_SCHEDULES, _new_array_output, _refuse_immutable,
-                         _remember_scaling_schedule, _scaling_key)
+from ropepool._op import (_known_scaling_schedule, _new_array_output, _refuse_immutable,
+                         _remember_scaling_schedule)
 from ropepool._schedule import RopeSchedule, _is_bool, _is_real, rope_schedule
 
 try:
@@ -88,7 +88,7 @@ def _options(q_pe, rope_base, rope_scaling, max_position_embeddings,
         if only_scaling and rope_dim > 0:
             # rope_pool_fused's memo (the schedule of (rope_dim, rope_base, the dict) is the
             # same for both ops): an engine passes config.rope_scaling on every call
-            schedule = _SCALING_SCHEDULES.get(_scaling_key(rope_dim, rope_base, rope_scaling))
+            schedule = _known_scaling_schedule(rope_dim, rope_base, rope_scaling)
         if schedule is None and rope_dim > 0 and rope_dim % 2 == 0:
             try:
                 schedule = rope_schedule(
@@ -337,8 +337,7 @@ else:
         if rope_scaling is not None:
             if schedule is not None or tensors[0].dim() != 3:
                 return None
-            schedule = _SCALING_SCHEDULES.get(
-                _scaling_key(tensors[0].shape[-1], rope_base, rope_scaling))
+            schedule = _known_scaling_schedule(tensors[0].shape[-1], rope_base, rope_scaling)
             if schedule is None:
                 return None
         if schedule is not None and (type(schedule) is not RopeSchedule

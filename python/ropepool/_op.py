@@ -165,8 +165,9 @@ def rope_pool_fused(
             and _fast_eager():
         fast_schedule = schedule
         if rope_scaling is not None:  # the schedule an earlier call made from this dict
-            fast_schedule = _known_scaling_schedule(head_dim, rope_base, rope_scaling) \
-                if schedule is None else _NOT_FAST
+            known = _known_scaling_schedule(head_dim, rope_base, rope_scaling) \
+                if schedule is None else None
+            fast_schedule = _NOT_FAST if known is None else known
         if fast_schedule is None and kv_layout is None and k_scale is None and v_scale is None \
                 and q_scale is None and q_out_dtype is None and return_k_rot is True \
                 and q_norm_weight is None and k_norm_weight is None and norm_eps is None \
@@ -298,8 +299,8 @@ def _remember_geometry(head_dim, num_qo_heads, num_kv_heads, rope_base):
 # Schedules made from a rope_scaling dict alone (no other schedule keyword, rotary_dim None),
 # by (head_dim, rope_base, the dict's items with their types, a list's elements too): an
 # engine passes its config.rope_scaling on every call, and making the schedule costs more
-# than the rest of a decode call's host work. Only what a call has made without error is kept, so a dict that
-# is wrong still raises each time. Bounded like _FAST_GEOMETRIES.
+# than the rest of a decode call's host work. Only what a call has made without error is
+# kept, so a dict that is wrong still raises each time. Bounded like _FAST_GEOMETRIES.
 _SCALING_SCHEDULES: dict = {}
 _NOT_FAST = object()  # the fast path's "no": a schedule it cannot use
 _SCALING_VALUE_TYPES = (int, float, str, bool, type(None))
@@ -325,8 +326,8 @@ def _scaling_key(head_dim, rope_base, rope_scaling):
 
 
 def _known_scaling_schedule(head_dim, rope_base, rope_scaling):
-    schedule = _SCALING_SCHEDULES.get(_scaling_key(head_dim, rope_base, rope_scaling))
-    return _NOT_FAST if schedule is None else schedule
+    """The schedule an earlier call made from an equal dict, or None."""
+    return _SCALING_SCHEDULES.get(_scaling_key(head_dim, rope_base, rope_scaling))
 
 
 def _remember_scaling_schedule(head_dim, rope_base, rope_scaling, schedule) -> None:
@@ -502,7 +503,7 @@ def _fused_scalars(head_dim, num_qo_heads, num_kv_heads, rope_base, rotary_dim, 
     only_scaling = rope_scaling is not None and rotary_dim == 0 \
         and sum(v is not None for v in given.values()) == 1
     if schedule is None and only_scaling:
-        schedule = _SCALING_SCHEDULES.get(_scaling_key(head_dim, rope_base, rope_scaling))
+        schedule = _known_scaling_schedule(head_dim, rope_base, rope_scaling)
         if schedule is None:
             schedule = rope_schedule(head_dim=head_dim, rope_base=rope_base,
                                      rope_scaling=rope_scaling)

@@ -296,7 +296,6 @@ def test_rope_scaling_schedule_made_once(rng, monkeypatch):
     memo), with the bits of schedule=; a changed dict gets its own; a bad one raises each
     time."""
     monkeypatch.setattr(ropepool._op, "_SCALING_SCHEDULES", {})
-    monkeypatch.setattr(ropepool._mla, "_SCALING_SCHEDULES", ropepool._op._SCALING_SCHEDULES)
     c = CONFIGS["deepseek-v3"]
     call = Call(rng, dtype="bfloat16", device="cpu", T=7, H=4)
     made = []
