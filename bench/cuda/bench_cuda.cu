@@ -17,7 +17,9 @@
 //          Two cases also without k_rot (SPEC §4 return_k_rot=False: a null k_out, bytes
 //          without the k_rot write), each after its case with k_rot: the bf16 [P, Hk, D] pool
 //          and NHD page 16 fp8 with fp8 q_out (the like-for-like of FlashInfer's
-//          rope_quantize_fp8_append_paged_kv_cache, which writes no k_rot).
+//          rope_quantize_fp8_append_paged_kv_cache, which writes no k_rot). At T <= 256 each
+//          case also runs on the head kernel at 2, 4 and 8 warps per CTA (and, where the plan
+//          takes the head kernel, on the token kernel), in the same run.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -466,6 +468,7 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
   std::printf("%8s  %-40s %10s %9s %7s %10s %10s  %s\n", "T", "cache", "us/call", "GB/s", "%copy", "graph us", "kernel",
               "fp8 k and v on one item (T <= 256): us/call | graph us; the other kernel of a pool variant (T <= 256, capped or uncapped): us/call | graph us; "
               "xN(Ww): the uncapped kernel with a token over N CTAs of W warps: us/call | graph us; "
+              "head(Ww): the head kernel with W warps per CTA (token: the token kernel), likewise; "
               "pN(Ww): a call in q's dtype on the uncapped kernel (split_plain), likewise");
   g_json += ", \"pools\": [";
   bool first_row = true;
@@ -480,6 +483,8 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
       // split, same run.
       const bool split = plan.kv_items == 2;
       double t1 = 0, tg1 = 0;
+      // The token kernel's other shapes below: head_kernel = -1, so a plan that takes the head
+      // kernel by default times them as well.
       if (split) {
         detail::cuda_launch::LaunchConfig one;
         one.split_fp8_kv = -1;
@@ -491,6 +496,7 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
       // takes the capped one at T <= 256, the uncapped one (uncapped = 1).
       double t_other = 0, tg_other = 0;
       detail::cuda_launch::LaunchConfig other;
+      other.head_kernel = -1;
       other.uncapped = plan.uncapped ? -1 : 1;
       const bool time_other = plan.uncapped || (T <= 256 && detail::cuda_launch::plan_launch(w.problem(0, s), other).uncapped);
       if (time_other) {
@@ -506,10 +512,13 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
       std::vector<int> timed{plan.uncapped ? plan.ctas_per_token : 0};
       detail::cuda_launch::LaunchConfig plain;
       plain.split_plain = 1;
-      const bool split_plain = !plan.uncapped && T <= 256 && detail::cuda_launch::plan_launch(w.problem(0, s), plain).uncapped;
-      if (plan.uncapped || split_plain)
+      detail::cuda_launch::LaunchConfig token;
+      token.head_kernel = -1;
+      const auto token_plan = detail::cuda_launch::plan_launch(w.problem(0, s), token);
+      const bool split_plain = !token_plan.uncapped && T <= 256 && detail::cuda_launch::plan_launch(w.problem(0, s), plain).uncapped;
+      if (token_plan.uncapped || split_plain)
         for (int ctas : {1, 2, 3, 4, 6}) {
-          detail::cuda_launch::LaunchConfig c = split_plain ? plain : detail::cuda_launch::LaunchConfig{};
+          detail::cuda_launch::LaunchConfig c = split_plain ? plain : token;
           c.ctas_per_token = ctas;
           const auto sp = detail::cuda_launch::plan_launch(w.problem(0, s), c);
           if (std::find(timed.begin(), timed.end(), sp.ctas_per_token) != timed.end()) continue;
@@ -519,9 +528,28 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
                         sp.config.warps_per_cta, time_stream(w, c, s) * 1e6, time_graph(w, s, c) * 1e6);
           split_times += b;
         }
+      // The head kernel (LaunchConfig::head_kernel) at 2, 4 and 8 warps per CTA (but the plan's
+      // own shape), and the token kernel where the plan takes the head kernel.
+      std::string head_times;
+      auto time_head = [&](const char* label, const detail::cuda_launch::LaunchConfig& h) {
+        char b[64];
+        std::snprintf(b, sizeof b, "; %s %.2f | %.2f", label, time_stream(w, h, s) * 1e6, time_graph(w, s, h) * 1e6);
+        head_times += b;
+      };
+      if (T <= 256) {
+        if (plan.head_kernel) time_head("token", token);
+        for (int warps : {2, 4, 8}) {
+          detail::cuda_launch::LaunchConfig h;
+          h.head_kernel = 1, h.warps_per_cta = warps;
+          const auto hp = detail::cuda_launch::plan_launch(w.problem(0, s), h);
+          if (!hp.head_kernel) break;
+          if (plan.head_kernel && hp.config.warps_per_cta == plan.config.warps_per_cta) continue;
+          time_head(("head(" + std::to_string(warps) + "w)").c_str(), h);
+        }
+      }
       const double gbps = w.bytes() / t;
       char kernel[48];
-      std::snprintf(kernel, sizeof kernel, "%s v%d %s%dw%s%s%s",
+      std::snprintf(kernel, sizeof kernel, "%s%s v%d %s%dw%s%s%s", plan.head_kernel ? "head " : "",
                     plan.path == detail::cuda_launch::Path::Tuned ? "tuned" : plan.path == detail::cuda_launch::Path::Vector ? "vector" : "scalar",
                     plan.pool_variant, plan.ctas_per_token > 1 ? ("x" + std::to_string(plan.ctas_per_token) + " ").c_str() : "",
                     plan.config.warps_per_cta, split ? " kv2" : "", plan.q_item_units != 4 ? " q2" : "", plan.uncapped ? " unc" : "");
@@ -531,8 +559,9 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
       if (time_other)
         std::snprintf(capped, sizeof capped, "; %s %.2f | %.2f", plan.uncapped ? "capped" : "uncapped", t_other * 1e6,
                       tg_other * 1e6);
-      std::printf("%8lld  %-40s %10.2f %9.0f %6.1f%% %10.2f %10s  %s%s%s\n", (long long)T, spec.name().c_str(), t * 1e6,
-                  gbps / 1e9, 100 * gbps / copy, tg * 1e6, kernel, one_item, capped, split_times.c_str());
+      std::printf("%8lld  %-40s %10.2f %9.0f %6.1f%% %10.2f %10s  %s%s%s%s\n", (long long)T, spec.name().c_str(), t * 1e6,
+                  gbps / 1e9, 100 * gbps / copy, tg * 1e6, kernel, one_item, capped, split_times.c_str(),
+                  head_times.c_str());
       char js[480];
       std::snprintf(js, sizeof js,
                     "%s{\"T\": %lld, \"cache\": \"%s\", \"us\": %.3f, \"GBps\": %.1f, \"graph_us\": %.3f, "

@@ -37,6 +37,10 @@ struct LaunchConfig {
   /// it on the uncapped kernel of the paged variant (a 3-D pool as page size 1), so that
   /// ctas_per_token applies to it; 0 (default) the seed's or the paged kernels.
   int split_plain = 0;
+  /// The head kernel (head_kernel.cuh: one unit per lane, a token over many short warps;
+  /// head_dim 128 tuned, no QK norm, no row locks): 0 default (calls with an fp8 pool or q_out
+  /// up to cuda::kHeadKernelMaxTokens), 1 wherever it applies, -1 off.
+  int head_kernel = 0;
 };
 
 /// Which kernel a problem runs on: a tuned head size, the generic 16-byte path, or the
@@ -59,6 +63,7 @@ struct LaunchPlan {
   int pool_variant = 0;
   int64_t grid = 0;         ///< CTAs per token (LaunchConfig::ctas_per_token) times the tokens
   int ctas_per_token = 1;
+  bool head_kernel = false;  ///< LaunchConfig::head_kernel: warps_per_cta warps per CTA
   int threads = 0;
   size_t shared_bytes = 0;
 };

@@ -21,6 +21,7 @@
 #include "launch.hpp"
 #include "limits.hpp"
 #include "fusion_kernel.cuh"
+#include "head_kernel.cuh"
 #include "rope_pool_kernel.cuh"
 #include "slot_errors.hpp"
 #include "ropepool/cuda.hpp"
@@ -320,6 +321,27 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   plan.shared_bytes = size_t(2) * size_t(half) * sizeof(float);
   if (plan.pool_variant != 0) plan.shared_bytes += cuda::kPoolSharedBytes;  // before the table
   if (plan.pool_write_mode == cuda::kPoolWriteScan) plan.shared_bytes += size_t(T) * 8;
+  // The head kernel (head_kernel.cuh): a warp per 32 units of one kind (k, v or q), warps_per_cta
+  // of them per CTA (default kHeadKernelWarps), the CTAs of a token along gridDim.y. By default
+  // for small calls with an fp8 pool or q_out: there the token kernel's e4m3 work is the longest
+  // link of a token; calls in q's dtype measured faster on the token kernel (docs/CUDA.md).
+  assert(c.head_kernel >= -1 && c.head_kernel <= 1);
+  const bool head_ok = !norm && plan.path == Path::Tuned && D == 128 && no_row_lock;
+  plan.head_kernel = head_ok && (c.head_kernel == 1 || (c.head_kernel == 0 && (fp8_pool || fp8_q) &&
+                                                        T <= cuda::kHeadKernelMaxTokens));
+  if (plan.head_kernel) {
+    const int64_t head_units = D / 2 / plan.vec_elems, head_vecs = D / plan.vec_elems;
+    const int64_t warps = (p.num_kv_heads * head_units + 31) / 32 + (p.num_kv_heads * head_vecs + 31) / 32 +
+                          (p.num_qo_heads * head_units + 31) / 32;
+    c.warps_per_cta = int(std::clamp<int64_t>(overrides.warps_per_cta > 0 ? overrides.warps_per_cta : cuda::kHeadKernelWarps, 1,
+                                              std::min<int64_t>(warps, cuda::kMaxWarpsPerCta)));
+    plan.ctas_per_token = int((warps + c.warps_per_cta - 1) / c.warps_per_cta);
+    plan.grid = T * plan.ctas_per_token;
+    plan.threads = 32 * c.warps_per_cta;
+    plan.shared_bytes = size_t(c.warps_per_cta) * 2 * size_t(half) * sizeof(float);
+    plan.uncapped = false;
+    plan.kv_items = 1, plan.q_item_units = 1;
+  }
   // PDL (docs/CUDA.md): this launch may start while the previous kernel on the stream
   // drains (it waits for that kernel in-kernel before touching memory) and lets the next one
   // start once its table is built, which hides part of the launch gap at every T.
@@ -412,6 +434,14 @@ void launch(const RopePoolProblem& p, const LaunchPlan& plan, SlotErrorRecord* r
           "cudaLaunchKernelEx (rope_pool_norm_kernel)");
     return;
   }
+  if constexpr (kHeadDim == 128 && !kInterleaved) {
+    if (plan.head_kernel) {
+      check(cudaLaunchKernelEx(&launch, cuda::rope_pool_head_kernel<E, kVec, kHeadDim, kFreqCap, kPool>, params),
+            "cudaLaunchKernelEx (rope_pool_head_kernel)");
+      return;
+    }
+  }
+  assert(!plan.head_kernel);
   if constexpr (kPool != 0 && kHeadDim == 128) {
     if (plan.uncapped) {
       check(cudaLaunchKernelEx(

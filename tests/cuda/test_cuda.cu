@@ -907,6 +907,7 @@ struct PoolCase {
   int mrope = 0;            ///< SPEC §7 positions [3, T]: 1 Qwen2-VL sections, 2 interleaved
   bool index64 = false;
   Kernel kernel = Kernel::Auto;
+  int warps = 0;            ///< LaunchConfig::warps_per_cta when not 0 (over `kernel`'s)
   bool no_split = false;    ///< LaunchConfig::split_fp8_kv = -1 (an fp8 pool's k and v on one item)
   bool capped = false;      ///< LaunchConfig::uncapped = -1 (the capped kernel at every T)
   bool forced_uncapped = false;  ///< LaunchConfig::uncapped = 1 (the uncapped one at every T)
@@ -914,6 +915,9 @@ struct PoolCase {
   int fp8_q_units = 0;      ///< LaunchConfig::fp8_q_units
   bool split_plain = false; ///< LaunchConfig::split_plain (a call in q's dtype on the uncapped kernel)
   bool no_k_rot = false;    ///< SPEC §4 return_k_rot=False: a null k_out
+  /// LaunchConfig::head_kernel: 0 the planner's choice (1: the head kernel, -1: the token
+  /// kernel); a case that sets one of the token kernel's shapes above runs the token kernel.
+  int head_kernel = 0;
   int expect_uncapped = -1; ///< 1 or 0: whether the plan must take the uncapped kernel; -1 any
   int expect_path = -1;     ///< a Path the plan must choose, or -1
   std::vector<int64_t> slots;  ///< empty: distinct random rows, some negative
@@ -943,6 +947,8 @@ struct PoolCase {
     if (fp8_q_units) n += " q_units=" + std::to_string(fp8_q_units);
     if (split_plain) n += " split-plain";
     if (no_k_rot) n += " no-k_rot";
+    if (warps) n += " warps=" + std::to_string(warps);
+    if (head_kernel) n += head_kernel > 0 ? " head-kernel" : " token-kernel";
     if (claimed_pool_size) n += " pool_size=" + std::to_string(claimed_pool_size);
     return n;
   }
@@ -1008,10 +1014,15 @@ struct PoolRun {
     scale_dev = std::make_unique<DeviceBuffer>(3 * sizeof(float));
     set_scales(c.k_scale, c.v_scale, c.q_scale);
     if (c.kernel != Kernel::Auto) cfg.warps_per_cta = c.kernel == Kernel::OneWarp ? 1 : 2;
+    if (c.warps) cfg.warps_per_cta = c.warps;
     cfg.split_fp8_kv = c.no_split ? -1 : 0;
     cfg.uncapped = c.capped ? -1 : c.forced_uncapped ? 1 : 0;
     cfg.ctas_per_token = c.ctas_per_token, cfg.fp8_q_units = c.fp8_q_units;
     cfg.split_plain = c.split_plain ? 1 : 0;
+    cfg.head_kernel = c.head_kernel;
+    if (c.head_kernel == 0 && (c.no_split || c.capped || c.forced_uncapped || c.ctas_per_token || c.fp8_q_units ||
+                               c.split_plain || c.expect_uncapped == 1))
+      cfg.head_kernel = -1;
   }
 
   /// The scales the next launch uses: values, or (scale_ptrs) the device floats, with a wrong
@@ -1137,8 +1148,10 @@ struct PoolRun {
   }
 
   Path plan_path(int* variant = nullptr, int* warps = nullptr, int* kv_items = nullptr,
-                 int* q_units = nullptr, bool* uncapped = nullptr, int* ctas = nullptr) const {
+                 int* q_units = nullptr, bool* uncapped = nullptr, int* ctas = nullptr,
+                 bool* head = nullptr) const {
     const auto plan = detail::cuda_launch::plan_launch(prob, cfg);
+    if (head) *head = plan.head_kernel;
     if (ctas) *ctas = plan.ctas_per_token;
     if (uncapped) *uncapped = plan.uncapped;
     if (variant) *variant = plan.pool_variant;
@@ -1324,8 +1337,8 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   Rng twin_rng = rng;
   PoolRun run(pc, rng);
   int variant = 0, warps = 0, kv_items = 0, q_units = 0, ctas = 0;
-  bool uncapped = false;
-  const Path path = run.plan_path(&variant, &warps, &kv_items, &q_units, &uncapped, &ctas);
+  bool uncapped = false, head = false;
+  const Path path = run.plan_path(&variant, &warps, &kv_items, &q_units, &uncapped, &ctas, &head);
   const std::string what = std::string(group) + ": " + pc.name();
   std::string first;
   int64_t bad = 0;
@@ -1339,16 +1352,27 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   // The planner: where the call takes no row locks (T <= kMaxScanTokens, 256:
   // src/cuda/rope_pool_kernel.cuh), an fp8 pool's k and v heads on items of their own (unless
   // the case turns it off) and an fp8 q_out's q items of 2 units (kQUnitsFp8), else of 4.
+  // The head kernel: forced, or by default for calls with an fp8 pool or q_out up to T = 64 on the
+  // tuned path of head_dim 128 without a QK norm (src/cuda/head_kernel.cuh).
+  const bool head_ok = path == Path::Tuned && pc.D == 128 && !pc.norm && pc.T <= 256;
+  const bool want_head = run.cfg.head_kernel == 1    ? head_ok
+                         : run.cfg.head_kernel == -1 ? false
+                                                     : head_ok && (pc.fp8_pool || pc.fp8_q) && pc.T <= 64;
+  if (head != want_head) {
+    ++bad;
+    first = std::string("plan ") + (head ? "took" : "did not take") + " the head kernel" +
+            (first.empty() ? "" : "; " + first);
+  }
   const int want_kv = pc.fp8_pool && pc.T <= 256 && !pc.no_split ? 2 : 1;
   const int want_q = pc.fp8_q && pc.T <= 256 ? (pc.fp8_q_units ? pc.fp8_q_units : 2) : 4;
-  if (!pc.norm && (kv_items != want_kv || q_units != want_q)) {
+  if (!pc.norm && !head && (kv_items != want_kv || q_units != want_q)) {
     ++bad;
     first = "plan chose " + std::to_string(kv_items) + " kv item(s) and q items of " + std::to_string(q_units) +
             " units, expected " + std::to_string(want_kv) + " and " + std::to_string(want_q) +
             (first.empty() ? "" : "; " + first);
   }
   // A norm call runs the norm kernel: its plan never claims the uncapped one.
-  if (pc.norm ? uncapped : pc.expect_uncapped >= 0 && bool(pc.expect_uncapped) != uncapped) {
+  if (pc.norm || head ? uncapped : pc.expect_uncapped >= 0 && bool(pc.expect_uncapped) != uncapped) {
     ++bad;
     first = std::string("plan ") + (uncapped ? "took" : "did not take") + " the uncapped kernel" +
             (first.empty() ? "" : "; " + first);
@@ -1380,8 +1404,8 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   if (pc.norm)  // a norm kernel (the main kernel's variant or a fusion kernel), same pool variants
     std::printf("  %-4s norm   v%d     %s\n", bad == 0 ? "ok" : "FAIL", variant, what.c_str());
   else
-    std::printf("  %-4s %-6s v%d %dw%s%s  %s\n", bad == 0 ? "ok" : "FAIL", path_name(path), variant, warps,
-                kv_items == 2 ? " kv2" : "", q_units != 4 ? " q2" : "", what.c_str());
+    std::printf("  %-4s %-6s v%d %dw%s%s%s  %s\n", bad == 0 ? "ok" : "FAIL", path_name(path), variant, warps,
+                kv_items == 2 ? " kv2" : "", q_units != 4 && !head ? " q2" : "", head ? " head" : "", what.c_str());
 }
 
 void test_paged_layouts(Rng& rng) {
@@ -1626,10 +1650,12 @@ void test_pool_alignment(Rng& rng) {
 /// reported; duplicate slots keep whole rows (scan: the last token; locks: one of them).
 void test_paged_slots(Rng& rng) {
   std::printf("slot errors and duplicate slots with paged pools:\n");
+  for (int run_head : {0, 1})  // the head kernel too (LaunchConfig::head_kernel; head_dim 128)
   for (bool fp8 : {false, true}) {
     PoolCase c;
     c.T = 40, c.cache = fp8 ? Cache::HND : Cache::NHD, c.page_size = fp8 ? 5 : 16, c.pages = 3;
     c.fp8_pool = fp8, c.k_scale = 0.5f, c.v_scale = 0.25f;
+    if (run_head) c.Hq = 32, c.Hk = 8, c.D = 128, c.head_kernel = 1;
     const int64_t P = 3 * c.page_size;
     c.slots.resize(size_t(c.T));
     for (int64_t t = 0; t < c.T; ++t) c.slots[size_t(t)] = t < P ? P - 1 - t : -1;
@@ -1646,8 +1672,9 @@ void test_paged_slots(Rng& rng) {
     const bool named = m.find("slots[7] = " + std::to_string(P) + " ") != std::string::npos ||
                        m.find("slots[11] = 1000 ") != std::string::npos;
     expect(named && m.find(pool) != std::string::npos, "paged pool: bad slot reported with " + pool + ": " + m);
-    std::printf("  %-4s out-of-range slots, %s pages=3 ps=%lld (%s): %s\n", bad == 0 && named ? "ok" : "FAIL",
-                cache_name(c.cache), (long long)c.page_size, fp8 ? "fp8" : "bf16", m.substr(0, 90).c_str());
+    std::printf("  %-4s out-of-range slots, %s pages=3 ps=%lld (%s%s): %s\n", bad == 0 && named ? "ok" : "FAIL",
+                cache_name(c.cache), (long long)c.page_size, fp8 ? "fp8" : "bf16", run_head ? ", head kernel" : "",
+                m.substr(0, 90).c_str());
   }
   {  // lock mode (T > 256) with a bad slot
     PoolCase c;
@@ -1668,12 +1695,14 @@ void test_paged_slots(Rng& rng) {
                 cache_name(c.cache), m.substr(0, 90).c_str());
   }
   for (bool fp8 : {false, true})
-    for (auto [T, kernel] : {std::pair{int64_t(200), Kernel::Auto}, {int64_t(600), Kernel::OneWarp},
-                             {int64_t(4096), Kernel::Auto}}) {
+    for (auto [T, kernel, run_head] : {std::tuple{int64_t(200), Kernel::Auto, 0}, {int64_t(600), Kernel::OneWarp, 0},
+                                       {int64_t(4096), Kernel::Auto, 0}, {int64_t(200), Kernel::Auto, 1},
+                                       {int64_t(40), Kernel::TwoWarps, 1}}) {
       if (g_sanitize && T > 600) continue;
       PoolCase c;
       c.dtype = fp8 ? DType::Float32 : DType::BFloat16;  // float32: fp8 k rows are exact too
       c.T = T, c.Hq = 4, c.Hk = 8, c.cache = Cache::HND, c.page_size = 3, c.pages = 4, c.kernel = kernel;
+      if (run_head) c.D = 128, c.head_kernel = 1;  // the head kernel: head_dim 128
       c.fp8_pool = fp8, c.k_scale = 0.1f, c.v_scale = 0.15f, c.index64 = fp8;
       c.slots.resize(size_t(T));
       for (int64_t t = 0; t < T; ++t) c.slots[size_t(t)] = (3 * t) % 11;  // 11 of 12 slots
@@ -1706,7 +1735,8 @@ void test_paged_slots(Rng& rng) {
           }
         }
         const std::string what = std::string("duplicate slots, paged ") + (fp8 ? "fp8" : "bf16") +
-                                 " T=" + std::to_string(T) + " " + kernel_name(kernel);
+                                 " T=" + std::to_string(T) + " " + kernel_name(kernel) +
+                                 (run_head ? " head kernel" : "");
         expect(bad == 0, what + ": " + first);
         std::printf("  %-4s %s\n", bad == 0 ? "ok" : "FAIL", what.c_str());
       }
@@ -1715,11 +1745,12 @@ void test_paged_slots(Rng& rng) {
 
 /// A captured graph reads the scales when it runs: replay, change the device floats, replay. The
 /// main kernel, and the fusion kernel (SPEC §7 norm).
-void test_graph_scales(Rng& rng, int norm) {
-  std::printf("CUDA graph: scale pointers changed between two replays%s:\n", norm ? " (QK norm)" : "");
+void test_graph_scales(Rng& rng, int norm, int head_kernel = 0) {
+  std::printf("CUDA graph: scale pointers changed between two replays%s:\n",
+              norm ? " (QK norm)" : head_kernel < 0 ? " (the token kernel)" : "");
   PoolCase c;
   c.T = 64, c.Hq = 32, c.Hk = 8, c.cache = Cache::FlashNHD, c.page_size = 16;
-  c.fp8_pool = true, c.fp8_q = true, c.scale_ptrs = true, c.norm = norm;
+  c.fp8_pool = true, c.fp8_q = true, c.scale_ptrs = true, c.norm = norm, c.head_kernel = head_kernel;
   PoolRun run(c, rng);
   run.set_scales(0.5f, 0.25f, 0.125f);
   cudaStream_t s;
@@ -1753,6 +1784,7 @@ void test_graph_scales(Rng& rng, int norm) {
 }
 void test_graph_scales(Rng& rng) {
   for (int norm : {0, 1}) test_graph_scales(rng, norm);
+  test_graph_scales(rng, 0, -1);  // T = 64 with fp8 pools: the head kernel by default, so the token kernel too
 }
 
 /// SPEC §7 x §6: the QK norm (the fusion kernel) with paged NHD/HND pools, fp8 pools and an
@@ -2166,6 +2198,48 @@ void test_no_k_rot(Rng& rng) {
     }
 }
 
+/// The head kernel (LaunchConfig::head_kernel, head_dim 128 tuned): every pool variant, dtype and
+/// write mode it takes (direct at T = 1, scan above), scales that are powers of two and not, as
+/// values and as pointers, NaN/Inf/ties, heads that fill a warp partly, 2, 4 and 8 warps per
+/// CTA, mRoPE, no k_rot; then the same calls on the token kernel (head_kernel = -1).
+void test_head_kernel(Rng& rng) {
+  std::printf("the head kernel:\n");
+  struct S {
+    int64_t Hq, Hk;
+  };
+  for (int head : {1, -1})
+    for (DType dt : {DType::BFloat16, DType::Float16, DType::Float32})
+      for (Cache cache : {Cache::Pool3D, Cache::NHD, Cache::HND, Cache::FlashNHD})
+        for (int fp8 : {0, 1, 2, 3})  // bit 0: fp8 pools, bit 1: fp8 q_rot
+          for (int64_t T : {int64_t(1), int64_t(5), int64_t(37)}) {
+            if (g_sanitize && (dt != DType::BFloat16 || T == 5 || head < 0)) continue;
+            if (head < 0 && (T != 5 || cache == Cache::FlashNHD)) continue;
+            const int pick = int(T) + fp8 + int(cache);
+            const S shape = pick % 3 == 0 ? S{32, 8} : pick % 3 == 1 ? S{5, 3} : S{64, 1};
+            PoolCase c;
+            c.dtype = dt, c.cache = cache, c.page_size = cache == Cache::HND ? 5 : 16, c.T = T;
+            c.Hq = shape.Hq, c.Hk = shape.Hk, c.D = 128, c.head_kernel = head;
+            c.fp8_pool = fp8 & 1, c.fp8_q = fp8 & 2;
+            const bool pow2 = pick % 2 == 0;
+            c.k_scale = pow2 ? 0.25f : 0.0375f, c.v_scale = pow2 ? 1.0f : 0.3f, c.q_scale = pow2 ? 0.5f : 0.07f;
+            c.scale_ptrs = T != 5, c.specials = fp8 != 0 && T == 37, c.index64 = T == 5;
+            c.kernel = pick % 4 == 1 ? Kernel::TwoWarps : Kernel::Auto;
+            if (pick % 4 == 2) c.warps = 4;
+            if (pick % 4 == 3) c.warps = 8;  // a token over two CTAs of 8 and 6 warps (32 q heads)
+            run_pool_case(c, rng, "head");
+          }
+  for (DType dt : {DType::BFloat16, DType::Float16, DType::Float32})
+    for (int mrope : {1, 2})
+      for (bool no_k_rot : {false, true}) {
+        if (g_sanitize && dt != DType::BFloat16) continue;
+        PoolCase c;
+        c.dtype = dt, c.cache = Cache::NHD, c.page_size = 16, c.T = 7, c.Hq = 32, c.Hk = 8, c.D = 128;
+        c.head_kernel = 1, c.mrope = mrope, c.no_k_rot = no_k_rot;
+        c.fp8_pool = no_k_rot, c.fp8_q = no_k_rot, c.k_scale = 0.0375f, c.v_scale = 0.3f, c.q_scale = 0.07f;
+        run_pool_case(c, rng, "head");
+      }
+}
+
 void test_pools(Rng& rng) {
   test_e4m3_conversion(rng);
   test_e4m3_division(rng);
@@ -2178,6 +2252,7 @@ void test_pools(Rng& rng) {
   test_graph_scales(rng);
   test_norm_caches(rng);
   test_no_k_rot(rng);
+  test_head_kernel(rng);
   std::printf("pools (SPEC §6, with SPEC §7's norm too): %d cases\n", g_pool_cases);
 }
 
