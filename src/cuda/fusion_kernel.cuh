@@ -290,16 +290,9 @@ __global__ void __launch_bounds__(1024, 1)
   const bool to_pool = slot >= 0 && slot < p.pool_size;
   int64_t kp_row = slot * p.kp_row, vp_row = slot * p.vp_row;
   if constexpr (kPaged) {
-    int64_t page, row;
-    if (p.pool.page_shift >= 0) {
-      page = slot >> p.pool.page_shift;
-      row = slot & (p.pool.page_size - 1);
-    } else {
-      page = slot / p.pool.page_size;
-      row = slot - page * p.pool.page_size;
-    }
-    kp_row = page * p.kp_row + row * p.pool.kp_in_page;
-    vp_row = page * p.vp_row + row * p.pool.vp_in_page;
+    const PageRow at = page_row(slot, p.pool);
+    kp_row = at.page * p.kp_row + at.row * p.pool.kp_in_page;
+    vp_row = at.page * p.vp_row + at.row * p.pool.vp_in_page;
   }
   const bool locked = to_pool && p.pool_write_mode == kPoolWriteLock;  // the same for the CTA
   if (locked) {

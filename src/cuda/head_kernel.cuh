@@ -195,16 +195,9 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
   }
   int64_t row = 0;  // the row's offset in the pool (elements)
   if (to_pool) {
-    int64_t page = slot, in_page = 0;
     if constexpr (Ops::kPaged) {
-      if (p.pool.page_shift >= 0) {
-        page = slot >> p.pool.page_shift;
-        in_page = slot & (p.pool.page_size - 1);
-      } else {
-        page = slot / p.pool.page_size;
-        in_page = slot - page * p.pool.page_size;
-      }
-      row = role == kK ? page * p.kp_row + in_page * p.pool.kp_in_page : page * p.vp_row + in_page * p.pool.vp_in_page;
+      const PageRow at = page_row(slot, p.pool);
+      row = role == kK ? at.page * p.kp_row + at.row * p.pool.kp_in_page : at.page * p.vp_row + at.row * p.pool.vp_in_page;
     } else {
       row = slot * (role == kK ? p.kp_row : p.vp_row);
     }

@@ -161,6 +161,22 @@ struct KernelParams<kFreqCap, true> : KernelParams<kFreqCap, false> {
   PoolParams pool;
 };
 
+/// A slot of a paged pool as (page, row inside the page): a shift for power-of-two page sizes
+/// (1 included), else a 32-bit division when every slot fits, else a 64-bit one. Only meaningful
+/// for a slot in range (callers use it only for rows they write).
+struct PageRow {
+  int64_t page, row;
+};
+__device__ __forceinline__ PageRow page_row(int64_t slot, const PoolParams& pool) {
+  if (pool.page_shift >= 0) return {slot >> pool.page_shift, slot & (pool.page_size - 1)};
+  if (pool.slots_fit_32_bits) {
+    const uint32_t s = uint32_t(slot), n = uint32_t(pool.page_size), q = s / n;
+    return {int64_t(q), int64_t(s - q * n)};
+  }
+  const int64_t page = slot / pool.page_size;
+  return {page, slot - page * pool.page_size};
+}
+
 __device__ unsigned int g_slot_locks[kSlotLocks];
 __device__ unsigned long long g_slot_error_claim;
 
@@ -661,22 +677,10 @@ struct HeadOps {
   __device__ __forceinline__ PoolRow pool_row(int64_t slot, int64_t* offsets, int parts = kKv) const {
     PoolRow r{slot, offsets};
     if constexpr (kPaged) {
-      // slot -> (page, row), once per token: a shift for power-of-two page sizes (1 included),
-      // else a 32-bit division when every slot fits, else a 64-bit one.
-      int64_t page, row;
-      if (p.pool.page_shift >= 0) {
-        page = slot >> p.pool.page_shift;
-        row = slot & (p.pool.page_size - 1);
-      } else if (p.pool.slots_fit_32_bits) {
-        const uint32_t s = uint32_t(slot), n = uint32_t(p.pool.page_size), q = s / n;
-        page = q, row = s - q * n;
-      } else {
-        page = slot / p.pool.page_size;
-        row = slot - page * p.pool.page_size;
-      }
+      const PageRow at = page_row(slot, p.pool);  // once per token
       if (lane == 0) {  // used only when the row is written (slot in range); each its own
-        if (parts & kKHeads) offsets[0] = page * p.kp_row + row * p.pool.kp_in_page;
-        if (parts & kVHeads) offsets[1] = page * p.vp_row + row * p.pool.vp_in_page;
+        if (parts & kKHeads) offsets[0] = at.page * p.kp_row + at.row * p.pool.kp_in_page;
+        if (parts & kVHeads) offsets[1] = at.page * p.vp_row + at.row * p.pool.vp_in_page;
       }
       __syncwarp();
     }
