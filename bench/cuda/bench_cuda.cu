@@ -552,7 +552,8 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
       std::snprintf(kernel, sizeof kernel, "%s%s v%d %s%dw%s%s%s", plan.head_kernel ? "head " : "",
                     plan.path == detail::cuda_launch::Path::Tuned ? "tuned" : plan.path == detail::cuda_launch::Path::Vector ? "vector" : "scalar",
                     plan.pool_variant, plan.ctas_per_token > 1 ? ("x" + std::to_string(plan.ctas_per_token) + " ").c_str() : "",
-                    plan.config.warps_per_cta, split ? " kv2" : "", plan.q_item_units != 4 ? " q2" : "", plan.uncapped ? " unc" : "");
+                    plan.config.warps_per_cta, split ? " kv2" : "", plan.q_item_units != 4 && !plan.head_kernel ? " q2" : "",
+                    plan.uncapped ? " unc" : "");
       char one_item[48] = "";
       if (t1 > 0) std::snprintf(one_item, sizeof one_item, "%.2f | %.2f", t1 * 1e6, tg1 * 1e6);
       char capped[64] = "";
