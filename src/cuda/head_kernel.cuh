@@ -20,8 +20,8 @@ namespace ropepool::cuda {
 
 /// Calls with an fp8 pool or an fp8 q_out up to this many tokens run the head kernel by default
 /// (LaunchConfig::head_kernel), kHeadKernelWarps warps per CTA.
-constexpr int kHeadKernelMaxTokens = 64;
-constexpr int kHeadKernelWarps = 2;
+constexpr int kHeadKernelMaxTokens = 128;
+constexpr int kHeadKernelWarps = kMaxWarpsPerCta;
 
 template <class E, int kVec, int kHeadDim, int kFreqCap, int kPool>
 struct HeadWarp {

@@ -1352,12 +1352,12 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   // The planner: where the call takes no row locks (T <= kMaxScanTokens, 256:
   // src/cuda/rope_pool_kernel.cuh), an fp8 pool's k and v heads on items of their own (unless
   // the case turns it off) and an fp8 q_out's q items of 2 units (kQUnitsFp8), else of 4.
-  // The head kernel: forced, or by default for calls with an fp8 pool or q_out up to T = 64 on the
+  // The head kernel: forced, or by default for calls with an fp8 pool or q_out up to T = 128 on the
   // tuned path of head_dim 128 without a QK norm (src/cuda/head_kernel.cuh).
   const bool head_ok = path == Path::Tuned && pc.D == 128 && !pc.norm && pc.T <= 256;
   const bool want_head = run.cfg.head_kernel == 1    ? head_ok
                          : run.cfg.head_kernel == -1 ? false
-                                                     : head_ok && (pc.fp8_pool || pc.fp8_q) && pc.T <= 64;
+                                                     : head_ok && (pc.fp8_pool || pc.fp8_q) && pc.T <= 128;
   if (head != want_head) {
     ++bad;
     first = std::string("plan ") + (head ? "took" : "did not take") + " the head kernel" +
@@ -2238,6 +2238,14 @@ void test_head_kernel(Rng& rng) {
         c.fp8_pool = no_k_rot, c.fp8_q = no_k_rot, c.k_scale = 0.0375f, c.v_scale = 0.3f, c.q_scale = 0.07f;
         run_pool_case(c, rng, "head");
       }
+  // The planner's bound (kHeadKernelMaxTokens): T = 128 takes the head kernel by default, 129 not.
+  for (int64_t T : {int64_t(128), int64_t(129)}) {
+    if (g_sanitize) continue;
+    PoolCase c;
+    c.dtype = DType::BFloat16, c.cache = Cache::NHD, c.page_size = 16, c.T = T, c.Hq = 32, c.Hk = 8, c.D = 128;
+    c.fp8_pool = true, c.fp8_q = T == 128, c.k_scale = 0.0375f, c.v_scale = 0.3f, c.q_scale = 0.07f;
+    run_pool_case(c, rng, "head");
+  }
 }
 
 void test_pools(Rng& rng) {
