@@ -324,7 +324,8 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   // The head kernel (head_kernel.cuh): a warp per 32 units of one kind (k, v or q), warps_per_cta
   // of them per CTA (default kHeadKernelWarps), the CTAs of a token along gridDim.y. By default
   // for small calls with an fp8 pool or q_out: there the token kernel's e4m3 work is the longest
-  // link of a token; calls in q's dtype measured faster on the token kernel (docs/CUDA.md).
+  // link of a token. Calls in q's dtype stay on the token kernel, as fast or faster under graphs
+  // at T = 1 (docs/CUDA.md).
   assert(c.head_kernel >= -1 && c.head_kernel <= 1);
   const bool head_ok = !norm && plan.path == Path::Tuned && D == 128 && no_row_lock;
   plan.head_kernel = head_ok && (c.head_kernel == 1 || (c.head_kernel == 0 && (fp8_pool || fp8_q) &&
