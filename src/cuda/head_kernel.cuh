@@ -23,6 +23,18 @@ namespace ropepool::cuda {
 constexpr int kHeadKernelMaxTokens = 128;
 constexpr int kHeadKernelWarps = kMaxWarpsPerCta;
 
+/// A token's warps: k warps, then v warps, then q warps, 32 units each (k and q: NeoX pairs of
+/// vectors, `units` per head; v: vectors, `vecs` per head). The planner sizes the grid with it
+/// and the kernel gives each warp its kind with it.
+struct HeadWarpCounts {
+  int k, v, q;
+  __host__ __device__ int total() const { return k + v + q; }
+};
+__host__ __device__ __forceinline__ HeadWarpCounts head_warp_counts(int num_qo_heads, int num_kv_heads, int units,
+                                                                    int vecs) {
+  return {(num_kv_heads * units + 31) / 32, (num_kv_heads * vecs + 31) / 32, (num_qo_heads * units + 31) / 32};
+}
+
 template <class E, int kVec, int kHeadDim, int kFreqCap, int kPool>
 struct HeadWarp {
   using Ops = HeadOps<E, kVec, kHeadDim, kFreqCap, false, kPool>;
@@ -107,13 +119,11 @@ __global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t t = blockIdx.x;
   const int g = int(blockIdx.y) * int(blockDim.x >> 5) + warp;
-  const int k_warps = (p.num_kv_heads * W::kUnitsPerHead + 31) / 32;
-  const int v_warps = (p.num_kv_heads * W::kVecsPerHead + 31) / 32;
-  const int q_warps = (p.num_qo_heads * W::kUnitsPerHead + 31) / 32;
-  if (g >= k_warps + v_warps + q_warps) return;
+  const HeadWarpCounts n = head_warp_counts(p.num_qo_heads, p.num_kv_heads, W::kUnitsPerHead, W::kVecsPerHead);
+  if (g >= n.total()) return;
   enum { kK, kV, kQ };
-  const int role = g < k_warps ? kK : g < k_warps + v_warps ? kV : kQ;
-  const int sub = role == kK ? g : role == kV ? g - k_warps : g - k_warps - v_warps;
+  const int role = g < n.k ? kK : g < n.k + n.v ? kV : kQ;
+  const int sub = role == kK ? g : role == kV ? g - n.k : g - n.k - n.v;
 
   // Before the wait: this lane's unit (or v vector), its address, its frequencies.
   const int u = sub * 32 + lane;

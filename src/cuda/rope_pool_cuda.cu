@@ -331,9 +331,9 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   plan.head_kernel = head_ok && (c.head_kernel == 1 || (c.head_kernel == 0 && (fp8_pool || fp8_q) &&
                                                         T <= cuda::kHeadKernelMaxTokens));
   if (plan.head_kernel) {
-    const int64_t head_units = D / 2 / plan.vec_elems, head_vecs = D / plan.vec_elems;
-    const int64_t warps = (p.num_kv_heads * head_units + 31) / 32 + (p.num_kv_heads * head_vecs + 31) / 32 +
-                          (p.num_qo_heads * head_units + 31) / 32;
+    const int64_t warps = cuda::head_warp_counts(int(p.num_qo_heads), int(p.num_kv_heads), int(D / 2 / plan.vec_elems),
+                                                 int(D / plan.vec_elems))
+                              .total();
     c.warps_per_cta = int(std::clamp<int64_t>(overrides.warps_per_cta > 0 ? overrides.warps_per_cta : cuda::kHeadKernelWarps, 1,
                                               std::min<int64_t>(warps, cuda::kMaxWarpsPerCta)));
     plan.ctas_per_token = int((warps + c.warps_per_cta - 1) / c.warps_per_cta);
