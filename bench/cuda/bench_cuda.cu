@@ -19,7 +19,10 @@
 //          and NHD page 16 fp8 with fp8 q_out (the like-for-like of FlashInfer's
 //          rope_quantize_fp8_append_paged_kv_cache, which writes no k_rot). At T <= 256 each
 //          case also runs on the head kernel at 2, 4 and 8 warps per CTA (and, where the plan
-//          takes the head kernel, on the token kernel), in the same run.
+//          takes the head kernel, on the token kernel), in the same run. At T <= 256 each is
+//          also timed alone: one call between the events after the spin, with no launch of
+//          its own before it to overlap with (the per-call mode of bench/gpu_bench.py), beside
+//          an empty kernel timed the same way.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -435,8 +438,23 @@ void bench(bool sweep, const std::vector<int64_t>& tokens, Rng& rng) {
   cudaStreamDestroy(s);
 }
 
+/// Median GPU seconds of one call alone between the events, after the spin (the field's
+/// per-call mode: no previous launch of the kernel to overlap with), inputs rotating.
+double time_single(const Workload& w, const detail::cuda_launch::LaunchConfig& cfg, cudaStream_t s) {
+  return time_stream(w, cfg, s, 60, 1);
+}
+
+/// An empty kernel timed as time_single times a call: the floor of that mode.
+double empty_single_us(cudaStream_t s) {
+  long long spin_ns = 50000;
+  std::vector<double> t;
+  for (int r = 0; r < 60; ++r) t.push_back(timed_on_gpu(s, spin_ns, [&] { empty_kernel<<<1, 32, 0, s>>>(); }));
+  return median(t) * 1e6;
+}
+
 /// The SPEC §6 caches at each T beside the [P, Hk, D] bf16 pool of the same run: per call on a
-/// plain stream and (T <= 256) per call in graphs; %copy by each case's own bytes.
+/// plain stream (back-to-back), one call alone (T <= 256) and (T <= 256) per call in graphs;
+/// %copy by each case's own bytes.
 void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
   cudaStream_t s;
   ROPEPOOL_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -464,11 +482,14 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
   specs.push_back({PoolSpec::Flat, 1, true, false, true, true});
   specs.push_back({PoolSpec::NHD, 16, true, true, true, true});
   specs.push_back({PoolSpec::Flat, 1, false, true, false, true});
-  std::printf("\nSPEC 6 caches (bf16 q/k/v, Hq 32, Hk 8, D 128, 262144-slot caches; copy %.0f GB/s):\n", copy / 1e9);
-  std::printf("%8s  %-40s %10s %9s %7s %10s %10s  %s\n", "T", "cache", "us/call", "GB/s", "%copy", "graph us", "kernel",
+  std::printf("\nSPEC 6 caches (bf16 q/k/v, Hq 32, Hk 8, D 128, 262144-slot caches; copy %.0f GB/s); "
+              "one empty kernel alone between the events: %.2f us\n", copy / 1e9, empty_single_us(s));
+  std::printf("%8s  %-40s %10s %9s %7s %10s %10s %10s  %s\n", "T", "cache", "us/call", "GB/s", "%copy", "alone us", "graph us",
+              "kernel",
+              "us/call: back-to-back; alone: one call between the events (T <= 256); "
               "fp8 k and v on one item (T <= 256): us/call | graph us; the other kernel of a pool variant (T <= 256, capped or uncapped): us/call | graph us; "
               "xN(Ww): the uncapped kernel with a token over N CTAs of W warps: us/call | graph us; "
-              "head(Ww): the head kernel with W warps per CTA (token: the token kernel), likewise; "
+              "head(Ww): the head kernel with W warps per CTA (token: the token kernel): us/call | alone us | graph us; "
               "pN(Ww): a call in q's dtype on the uncapped kernel (split_plain), likewise");
   g_json += ", \"pools\": [";
   bool first_row = true;
@@ -479,6 +500,7 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
       const auto plan = detail::cuda_launch::plan_launch(w.problem(0, s), def);
       const double t = time_stream(w, def, s);
       const double tg = T <= 256 ? time_graph(w, s) : 0;
+      const double t_single = T <= 256 ? time_single(w, def, s) : 0;
       // The same case with the fp8 pool's k and v heads on one warp item: before/after of the
       // split, same run.
       const bool split = plan.kv_items == 2;
@@ -532,8 +554,9 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
       // own shape), and the token kernel where the plan takes the head kernel.
       std::string head_times;
       auto time_head = [&](const char* label, const detail::cuda_launch::LaunchConfig& h) {
-        char b[64];
-        std::snprintf(b, sizeof b, "; %s %.2f | %.2f", label, time_stream(w, h, s) * 1e6, time_graph(w, s, h) * 1e6);
+        char b[80];
+        std::snprintf(b, sizeof b, "; %s %.2f | %.2f | %.2f", label, time_stream(w, h, s) * 1e6, time_single(w, h, s) * 1e6,
+                      time_graph(w, s, h) * 1e6);
         head_times += b;
       };
       if (T <= 256) {
@@ -560,15 +583,15 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
       if (time_other)
         std::snprintf(capped, sizeof capped, "; %s %.2f | %.2f", plan.uncapped ? "capped" : "uncapped", t_other * 1e6,
                       tg_other * 1e6);
-      std::printf("%8lld  %-40s %10.2f %9.0f %6.1f%% %10.2f %10s  %s%s%s%s\n", (long long)T, spec.name().c_str(), t * 1e6,
-                  gbps / 1e9, 100 * gbps / copy, tg * 1e6, kernel, one_item, capped, split_times.c_str(),
+      std::printf("%8lld  %-40s %10.2f %9.0f %6.1f%% %10.2f %10.2f %10s  %s%s%s%s\n", (long long)T, spec.name().c_str(),
+                  t * 1e6, gbps / 1e9, 100 * gbps / copy, t_single * 1e6, tg * 1e6, kernel, one_item, capped, split_times.c_str(),
                   head_times.c_str());
       char js[480];
       std::snprintf(js, sizeof js,
                     "%s{\"T\": %lld, \"cache\": \"%s\", \"us\": %.3f, \"GBps\": %.1f, \"graph_us\": %.3f, "
-                    "\"bytes\": %.0f, \"kv_items\": %d, \"one_kv_item_us\": %.3f, \"one_kv_item_graph_us\": %.3f}",
-                    first_row ? "" : ", ", (long long)T, spec.name().c_str(), t * 1e6, gbps / 1e9, tg * 1e6, w.bytes(),
-                    plan.kv_items, t1 * 1e6, tg1 * 1e6);
+                    "\"alone_us\": %.3f, \"bytes\": %.0f, \"kv_items\": %d, \"one_kv_item_us\": %.3f, \"one_kv_item_graph_us\": %.3f}",
+                    first_row ? "" : ", ", (long long)T, spec.name().c_str(), t * 1e6, gbps / 1e9, tg * 1e6, t_single * 1e6,
+                    w.bytes(), plan.kv_items, t1 * 1e6, tg1 * 1e6);
       g_json += js;
       first_row = false;
       std::fflush(stdout);
