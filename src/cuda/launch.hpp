@@ -74,4 +74,9 @@ LaunchPlan plan_launch(const RopePoolProblem& problem, const LaunchConfig& overr
 /// `rope_pool_cuda` with forced launch parameters (the benchmark's and the test's entry point).
 void rope_pool_cuda_with(const RopePoolProblem& problem, const LaunchConfig& overrides);
 
+/// mla_rope_pool_fused (mla_kernel.cu): every launch from now on with CTAs of `warps` warps
+/// (1 to 4), or with the launcher's choice again (0). Process-wide, for the MLA test and the
+/// benchmark only: it is not synchronised with calls running on other threads.
+void set_mla_warps_per_cta(int warps);
+
 }  // namespace ropepool::detail::cuda_launch

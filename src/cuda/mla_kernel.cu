@@ -30,6 +30,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
 #include <cstdint>
 #include <string>
@@ -38,6 +39,7 @@
 
 #include "../mla_backend.hpp"
 #include "angle.cuh"
+#include "launch.hpp"
 #include "limits.hpp"
 #include "ropepool/error.hpp"
 #include "slot_errors.hpp"
@@ -50,6 +52,12 @@ constexpr int kMaxHalf = 256;   // inv_freq by value: rope_dim <= 512 (cuda_limi
 constexpr int kSmallHalf = 32;  // rope_dim <= 64 (every MLA model): a 256-byte inv_freq
 constexpr int kRowLocks = 1 << 16;
 constexpr int kMaxWarpsPerCta = 4;
+// Calls of at most this many warp items launch CTAs of kSmallCallWarps warps (kMaxWarpsPerCta
+// beyond).
+constexpr int kSmallCallItems = 256;
+constexpr int kSmallCallWarps = 1;
+// cuda_launch::set_mla_warps_per_cta: 0, or the warps per CTA of every launch.
+std::atomic<int> g_forced_warps{0};
 constexpr int kMaxScanTokens = 256;  // the duplicate scan up to this many tokens, locks beyond
 constexpr int kScanPerLane = kMaxScanTokens / 32;
 static_assert(2 * kMaxHalf == cuda_limits_values::kMaxRotaryDim);
@@ -664,11 +672,12 @@ void launch_with(const MlaProblem& m, MlaShapeParams shape, cudaStream_t stream)
   shape.items = int(1 + items_for(per_lane));
   shape.q_group = shape.group_heads * m.q_pe.head_stride;
   shape.qo_group = shape.group_heads * m.q_out.head_stride;
-  // One warp per CTA for small calls (each warp on its own SM), kMaxWarpsPerCta beyond. A
-  // grid row (blockIdx.x) holds at most 2^31 warps (32-bit item arithmetic); a call beyond
-  // that (2^31 tokens of tiny heads) takes several rows.
+  // CTAs of kSmallCallWarps warps for small calls (one: each warp on its own SM),
+  // kMaxWarpsPerCta beyond, unless a test or benchmark forces the shape. A grid row (blockIdx.x) holds at most 2^31 warps
+  // (32-bit item arithmetic); a call beyond that (2^31 tokens of tiny heads) takes several rows.
   const int64_t total = T * shape.items;
-  const int warps = total <= 256 ? 1 : kMaxWarpsPerCta;
+  const int forced = g_forced_warps.load(std::memory_order_relaxed);
+  const int warps = forced > 0 ? forced : total <= kSmallCallItems ? kSmallCallWarps : kMaxWarpsPerCta;
   const int64_t row_warps = std::min<int64_t>(total, (int64_t(1) << 31) - warps);
   shape.row_tokens = std::min<int64_t>(T, row_warps / shape.items);
   shape.row_items = uint32_t(shape.row_tokens * shape.items);
@@ -748,6 +757,13 @@ void launch_dtype(const MlaProblem& m, const MlaShapeParams& shape, cudaStream_t
 }
 
 }  // namespace
+
+void cuda_launch::set_mla_warps_per_cta(int warps) {
+  if (warps < 0 || warps > kMaxWarpsPerCta)
+    throw BackendError("set_mla_warps_per_cta: " + std::to_string(warps) + " warps per CTA, expected 0 to " +
+                       std::to_string(kMaxWarpsPerCta));
+  g_forced_warps.store(warps, std::memory_order_relaxed);
+}
 
 void mla_rope_pool_cuda(const MlaProblem& m) {
   assert(m.rope_dim / 2 <= kMaxHalf);

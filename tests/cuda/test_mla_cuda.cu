@@ -5,8 +5,9 @@
 // every other byte unchanged); the device guards are checked too. Every case runs again
 // without k_pe_rot (an empty k_out), which must leave every buffer but k_out's as the call
 // with it did. Also: both kernel paths
-// (16-byte units and the scalar fallback), the launch shapes (one-warp CTAs for small calls,
-// four-warp CTAs beyond; the inv_freq blocks of rope_dim <= 64 and beyond), repeated slots
+// (16-byte units and the scalar fallback), the launch shapes (the launcher's CTAs for small
+// calls and beyond, and every shape of 1 to 4 warps per CTA forced on small and large calls;
+// the inv_freq blocks of rope_dim <= 64 and beyond), repeated slots
 // under each guard (one token, the scan with the last writer checked, the row locks), and a
 // bad slot that is never written and is reported by cuda_check_slot_errors.
 #include <algorithm>
@@ -19,6 +20,7 @@
 #include "ropepool/cuda.hpp"
 #include "ropepool_kit_cuda.hpp"
 #include "ropepool_mla_kit.hpp"
+#include "test_hooks.hpp"
 
 namespace ropepool::test {
 namespace {
@@ -274,6 +276,32 @@ int main() {
           run_case(rng, s, what, g.T == 1 ? 0 : int(std::min<int64_t>(g.T / 4, 20)));
           ++cases;
         }
+  // Every CTA shape forced (detail::cuda_launch::set_mla_warps_per_cta), on DeepSeek-V3's
+  // shape at T = 1 (17 warp items at H = 128), 37 and 300 tokens (beyond the small-call
+  // bound), both caches, both pair styles, repeated slots under the scan and the locks.
+  for (int warps : {1, 2, 3, 4}) {
+    detail::cuda_launch::set_mla_warps_per_cta(warps);
+    for (bool gptj : {true, false})
+      for (bool fp8 : {false, true})
+        for (auto [T, H] : {std::pair<int64_t, int64_t>{1, 128}, {1, 16}, {37, 128}, {300, 16}}) {
+          MlaShape s;
+          s.dtype = DType::BFloat16;
+          s.cache_dtype = fp8 ? DType::Float8E4M3FN : s.dtype;
+          s.interleaved = gptj;
+          s.page_size = T == 37 ? 16 : 0;
+          s.num_tokens = T;
+          s.num_heads = H;
+          s.pool_size = 512;
+          if (fp8) s.kv_scale = 0.0625;
+          s.rope_scaling = deepseek_v3_yarn();
+          const std::string what = "forced " + std::to_string(warps) + " warps per CTA, bfloat16" +
+                                   (gptj ? " gptj" : " neox") + (fp8 ? " fp8" : "") + " T " +
+                                   std::to_string(T) + " H " + std::to_string(H);
+          run_case(rng, s, what, T == 1 ? 0 : T == 37 ? 3 : 60);
+          ++cases;
+        }
+  }
+  detail::cuda_launch::set_mla_warps_per_cta(0);
   MlaShape inplace;
   inplace.inplace = true;
   inplace.k_pe_3d = true;
