@@ -6,7 +6,7 @@
 // time of one public rope_pool_fused call at T = 1 (wall clock, no synchronisation); the
 // device-to-device copy as the ceiling.
 //
-//   ropepool_bench_cuda [--sweep] [--pools] [--tokens T1,T2,..] [--json FILE]
+//   ropepool_bench_cuda [--sweep] [--pools] [--mla] [--tokens T1,T2,..] [--json FILE]
 //
 // --sweep  also the same workload over launch shapes (warps per CTA), to tune the heuristic
 //          in src/cuda/rope_pool_cuda.cu.
@@ -23,6 +23,9 @@
 //          also timed alone: one call between the events after the spin, with no launch of
 //          its own before it to overlap with (the per-call mode of bench/gpu_bench.py), beside
 //          an empty kernel timed the same way.
+// --mla    also mla_rope_pool_fused (SPEC §8) on bench/gpu_bench_mla.py's inputs (DeepSeek-V3,
+//          H = 128 and 16, bf16 and fp8 token caches) through the public C++ call, and at
+//          T <= 256 with CTAs of 1 to 4 warps forced, in the same run.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -37,6 +40,7 @@
 #include <vector>
 
 #include "ropepool/half.hpp"
+#include "ropepool/mla.hpp"
 #include "ropepool/rope_pool.hpp"
 #include "ropepool/schedule.hpp"
 #include "ropepool_kit.hpp"
@@ -237,36 +241,43 @@ double timed_on_gpu(cudaStream_t s, long long& spin_ns, F&& enqueue) {
   return seconds;
 }
 
-/// Median GPU seconds per call over `batches` batches of `per_batch` back-to-back calls,
-/// inputs rotating among the workload's sets.
-double time_stream(const Workload& w, const detail::cuda_launch::LaunchConfig& cfg, cudaStream_t s,
-                   int batches = 60, int per_batch = 20) {
+/// Median GPU seconds per call over `batches` batches of `per_batch` back-to-back calls;
+/// `call(i)` makes the call on input set i (the caller's rotation over its sets).
+template <class F>
+double stream_median(cudaStream_t s, F&& call, int batches, int per_batch) {
   int64_t i = 0;
-  for (int k = 0; k < 5; ++k) detail::cuda_launch::rope_pool_cuda_with(w.problem(i++, s), cfg);
+  for (int k = 0; k < 5; ++k) call(i++);
   long long spin_ns = 200000;
   std::vector<double> t;
   for (int r = 0; r < batches; ++r)
     t.push_back(timed_on_gpu(s, spin_ns, [&] {
-                  for (int k = 0; k < per_batch; ++k)
-                    detail::cuda_launch::rope_pool_cuda_with(w.problem(i++, s), cfg);
+                  for (int k = 0; k < per_batch; ++k) call(i++);
                 }) / per_batch);
   return median(t);
 }
 
+/// Median GPU seconds per call over `batches` batches of `per_batch` back-to-back calls,
+/// inputs rotating among the workload's sets.
+double time_stream(const Workload& w, const detail::cuda_launch::LaunchConfig& cfg, cudaStream_t s,
+                   int batches = 60, int per_batch = 20) {
+  return stream_median(
+      s, [&](int64_t i) { detail::cuda_launch::rope_pool_cuda_with(w.problem(i, s), cfg); }, batches, per_batch);
+}
+
 /// Median GPU seconds per call of CUDA graphs of `calls` calls on `calls` different input
-/// sets: as many graphs as the cold rotation needs, replayed in turn.
-double time_graph(const Workload& w, cudaStream_t s, const detail::cuda_launch::LaunchConfig& cfg = {},
-                  int calls = 20, int reps = 60) {
-  const int64_t n_graphs = std::max<int64_t>(1, w.n_sets / calls);
+/// sets out of `n_sets` (`call(i)` on set i): as many graphs as the cold rotation needs,
+/// replayed in turn.
+template <class F>
+double graph_median(cudaStream_t s, F&& call, int64_t n_sets, int calls = 20, int reps = 60) {
+  const int64_t n_graphs = std::max<int64_t>(1, n_sets / calls);
   std::vector<cudaGraphExec_t> execs;
-  detail::cuda_launch::rope_pool_cuda_with(w.problem(0, s), cfg);
+  call(0);
   ROPEPOOL_CUDA_OK(cudaStreamSynchronize(s));
   for (int64_t gi = 0; gi < n_graphs; ++gi) {
     cudaGraph_t g;
     cudaGraphExec_t ge;
     ROPEPOOL_CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    for (int k = 0; k < calls; ++k)
-      detail::cuda_launch::rope_pool_cuda_with(w.problem(gi * calls + k, s), cfg);
+    for (int k = 0; k < calls; ++k) call(gi * calls + k);
     ROPEPOOL_CUDA_OK(cudaStreamEndCapture(s, &g));
     ROPEPOOL_CUDA_OK(cudaGraphInstantiate(&ge, g, 0));
     cudaGraphDestroy(g);
@@ -282,6 +293,12 @@ double time_graph(const Workload& w, cudaStream_t s, const detail::cuda_launch::
                 }) / calls);
   for (cudaGraphExec_t ge : execs) cudaGraphExecDestroy(ge);
   return median(t);
+}
+
+double time_graph(const Workload& w, cudaStream_t s, const detail::cuda_launch::LaunchConfig& cfg = {},
+                  int calls = 20, int reps = 60) {
+  return graph_median(
+      s, [&](int64_t i) { detail::cuda_launch::rope_pool_cuda_with(w.problem(i, s), cfg); }, w.n_sets, calls, reps);
 }
 
 __global__ void empty_kernel() {}
@@ -600,16 +617,139 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
   cudaStreamDestroy(s);
 }
 
+/// mla_rope_pool_fused's inputs (SPEC §8), as bench/gpu_bench_mla.py makes them: DeepSeek-V3's
+/// shape (q [T, H, 192] with q_pe its last 64 columns, k_pe [T, 64], kv_c [T, 512]), a token
+/// cache [P, 576] in bf16 or fp8 e4m3 (kv_scale 0.5), input sets over 4x the L2, positions
+/// random below 2^17, slots T distinct random rows of a 262144-row cache.
+struct MlaWorkload {
+  int64_t T, H, P = 262144, R = 64, L = 512, n_sets = 0;
+  bool fp8;
+  std::unique_ptr<DeviceBuffer> q, k_pe, kv_c, pos, slots, q_out, k_out, cache;
+  RopeSchedule schedule;
+  MlaParams params;
+  /// Bytes one call moves: q_pe, k_pe, kv_c read; q_pe_rot, k_pe_rot and a cache row written;
+  /// int32 positions and slots read.
+  double bytes() const {
+    return double(T) * (2.0 * (2 * H * R + 3 * R + L) + (fp8 ? 1 : 2) * (L + R) + 8);
+  }
+  MlaWorkload(int64_t tokens, int64_t heads, bool fp8_cache, Rng& rng) : T(tokens), H(heads), fp8(fp8_cache) {
+    P = std::max<int64_t>(P, T);
+    cudaDeviceProp prop{};
+    ROPEPOOL_CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+    n_sets = std::max<int64_t>(T <= 256 ? 20 : 2, int64_t(std::ceil(4.0 * prop.l2CacheSize / bytes())));
+    const int64_t rows = n_sets * T;
+    auto filled = [&](int64_t elems) {
+      auto b = std::make_unique<DeviceBuffer>(size_t(elems) * 2);
+      fill_bf16<<<1024, 256>>>(static_cast<uint16_t*>(b->ptr), size_t(elems), rng());
+      ROPEPOOL_CUDA_OK(cudaGetLastError());
+      return b;
+    };
+    q = filled(rows * H * 192), k_pe = filled(rows * R), kv_c = filled(rows * L);
+    cache = filled(P * (L + R) / (fp8 ? 2 : 1));
+    q_out = std::make_unique<DeviceBuffer>(size_t(rows * H * R) * 2);
+    k_out = std::make_unique<DeviceBuffer>(size_t(rows * R) * 2);
+    std::vector<int32_t> h_pos(static_cast<size_t>(rows)), h_slots(static_cast<size_t>(rows)), perm(static_cast<size_t>(P));
+    for (auto& x : h_pos) x = int32_t(rng() % 131072);
+    const int64_t per_perm = P / T;
+    for (int64_t set = 0; set < n_sets; ++set) {
+      if (set % per_perm == 0) {
+        for (int64_t r = 0; r < P; ++r) perm[size_t(r)] = int32_t(r);
+        std::shuffle(perm.begin(), perm.end(), rng);
+      }
+      std::copy_n(perm.begin() + (set % per_perm) * T, T, h_slots.begin() + set * T);
+    }
+    pos = std::make_unique<DeviceBuffer>(size_t(rows) * 4);
+    slots = std::make_unique<DeviceBuffer>(size_t(rows) * 4);
+    ROPEPOOL_CUDA_OK(cudaMemcpy(pos->ptr, h_pos.data(), pos->bytes, cudaMemcpyHostToDevice));
+    ROPEPOOL_CUDA_OK(cudaMemcpy(slots->ptr, h_slots.data(), slots->bytes, cudaMemcpyHostToDevice));
+    ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
+    RopePoolParams rp;
+    rp.head_dim = R, rp.rope_base = 10000;
+    schedule = make_rope_schedule(rp);
+    params.schedule = &schedule;
+    params.interleaved = true;
+    if (fp8) params.kv_scale = 0.5;
+  }
+  /// The call on input set i.
+  void call(int64_t i, cudaStream_t s) const {
+    const int64_t t0 = (i % n_sets) * T;
+    const Device dev{DeviceType::CUDA, 0};
+    MlaTensors m;
+    m.q_pe = TensorView::contiguous(q->bytes_at(size_t(t0 * H * 192 + 128) * 2), DType::BFloat16, {T, H, R}, dev);
+    m.q_pe.strides[0] = H * 192, m.q_pe.strides[1] = 192;
+    m.k_pe = TensorView::contiguous(k_pe->bytes_at(size_t(t0 * R) * 2), DType::BFloat16, {T, R}, dev);
+    m.kv_c = TensorView::contiguous(kv_c->bytes_at(size_t(t0 * L) * 2), DType::BFloat16, {T, L}, dev);
+    m.positions = TensorView::contiguous(pos->bytes_at(size_t(t0) * 4), DType::Int32, {T}, dev);
+    m.slots = TensorView::contiguous(slots->bytes_at(size_t(t0) * 4), DType::Int32, {T}, dev);
+    m.kv_cache = TensorView::contiguous(cache->ptr, fp8 ? DType::Float8E4M3FN : DType::BFloat16, {P, L + R}, dev);
+    m.q_out = TensorView::contiguous(q_out->bytes_at(size_t(t0 * H * R) * 2), DType::BFloat16, {T, H, R}, dev);
+    m.k_out = TensorView::contiguous(k_out->bytes_at(size_t(t0 * R) * 2), DType::BFloat16, {T, R}, dev);
+    MlaCallOptions o;
+    o.stream = s;
+    mla_rope_pool_fused(m, params, o);
+  }
+};
+
+/// mla_rope_pool_fused at each T (DeepSeek-V3, H = 128 and 16, bf16 and fp8 caches):
+/// back-to-back, alone between the events (T <= 256) and in graphs (T <= 256), in the
+/// launcher's shape; at T <= 256 also with CTAs of 1 to 4 warps forced, in the same run.
+void bench_mla(const std::vector<int64_t>& tokens, Rng& rng) {
+  cudaStream_t s;
+  ROPEPOOL_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const double copy = copy_bandwidth(s);
+  std::printf("\nSPEC 8 mla_rope_pool_fused (DeepSeek-V3: q_pe a view of q [T, H, 192], kv_c 512, rope 64, bf16; "
+              "262144-row token cache; copy %.0f GB/s); one empty kernel alone between the events: %.2f us\n",
+              copy / 1e9, empty_single_us(s));
+  std::printf("%8s %4s %6s %10s %7s %10s %10s  %s\n", "T", "H", "cache", "us/call", "%copy", "alone us", "graph us",
+              "us/call: back-to-back; alone: one call between the events; Ww: CTAs of W warps forced: "
+              "us/call | alone us | graph us");
+  g_json += ", \"mla\": [";
+  bool first_row = true;
+  for (int64_t T : tokens)
+    for (int64_t H : {128, 16})
+      for (bool fp8 : {false, true}) {
+        MlaWorkload w(T, H, fp8, rng);
+        auto call = [&](int64_t i) { w.call(i, s); };
+        const double t = stream_median(s, call, 60, 20);
+        const double ta = T <= 256 ? stream_median(s, call, 60, 1) : 0;
+        const double tg = T <= 256 ? graph_median(s, call, w.n_sets) : 0;
+        std::string forced;
+        for (int warps = 1; warps <= 4 && T <= 256; ++warps) {
+          detail::cuda_launch::set_mla_warps_per_cta(warps);
+          char b[80];
+          std::snprintf(b, sizeof b, "%s%dw %.2f | %.2f | %.2f", forced.empty() ? "" : "; ", warps,
+                        stream_median(s, call, 60, 20) * 1e6, stream_median(s, call, 60, 1) * 1e6,
+                        graph_median(s, call, w.n_sets) * 1e6);
+          forced += b;
+        }
+        detail::cuda_launch::set_mla_warps_per_cta(0);
+        std::printf("%8lld %4lld %6s %10.2f %6.1f%% %10.2f %10.2f  %s\n", (long long)T, (long long)H, fp8 ? "fp8" : "bf16",
+                    t * 1e6, 100 * w.bytes() / t / copy, ta * 1e6, tg * 1e6, forced.c_str());
+        char js[300];
+        std::snprintf(js, sizeof js,
+                      "%s{\"T\": %lld, \"H\": %lld, \"cache\": \"%s\", \"us\": %.3f, \"alone_us\": %.3f, "
+                      "\"graph_us\": %.3f, \"bytes\": %.0f}",
+                      first_row ? "" : ", ", (long long)T, (long long)H, fp8 ? "fp8" : "bf16", t * 1e6, ta * 1e6,
+                      tg * 1e6, w.bytes());
+        g_json += js;
+        first_row = false;
+        std::fflush(stdout);
+      }
+  g_json += "]";
+  cudaStreamDestroy(s);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool sweep = false, pools = false;
+  bool sweep = false, pools = false, mla = false;
   std::string json;
   std::vector<int64_t> tokens = {1, 16, 64, 256, 1024, 4096, 16384, 65536};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--sweep") sweep = true;
     else if (a == "--pools") pools = true;
+    else if (a == "--mla") mla = true;
     else if (a == "--bench") continue;  // the default (what the old driver needed)
     else if (a == "--json" && i + 1 < argc) json = argv[++i];
     else if (a == "--tokens" && i + 1 < argc) {
@@ -617,7 +757,7 @@ int main(int argc, char** argv) {
       std::stringstream list(argv[++i]);
       for (std::string t; std::getline(list, t, ',');) tokens.push_back(std::stoll(t));
     } else {
-      std::fprintf(stderr, "usage: %s [--sweep] [--pools] [--tokens T1,T2,..] [--json FILE]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--sweep] [--pools] [--mla] [--tokens T1,T2,..] [--json FILE]\n", argv[0]);
       return 2;
     }
   }
@@ -625,6 +765,7 @@ int main(int argc, char** argv) {
   Rng rng(fresh_seed());
   bench(sweep, tokens, rng);
   if (pools) bench_pools(tokens, rng);
+  if (mla) bench_mla(tokens, rng);
   g_json += "}";
   if (!json.empty()) std::ofstream(json) << (g_json.empty() ? "{}" : g_json) << "\n";
   return 0;
