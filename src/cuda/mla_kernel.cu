@@ -52,10 +52,11 @@ constexpr int kMaxHalf = 256;   // inv_freq by value: rope_dim <= 512 (cuda_limi
 constexpr int kSmallHalf = 32;  // rope_dim <= 64 (every MLA model): a 256-byte inv_freq
 constexpr int kRowLocks = 1 << 16;
 constexpr int kMaxWarpsPerCta = 4;
-// Calls of at most this many warp items launch CTAs of kSmallCallWarps warps (kMaxWarpsPerCta
-// beyond).
+// The launch shape by the call's warp items: up to kFewItems (T = 1 at H = 128: 17; T <= 10 at
+// H = 16) CTAs of kMaxWarpsPerCta warps; up to kSmallCallItems one warp per CTA (each on an SM
+// of its own); beyond, kMaxWarpsPerCta again.
+constexpr int kFewItems = 32;
 constexpr int kSmallCallItems = 256;
-constexpr int kSmallCallWarps = 1;
 // cuda_launch::set_mla_warps_per_cta: 0, or the warps per CTA of every launch.
 std::atomic<int> g_forced_warps{0};
 constexpr int kMaxScanTokens = 256;  // the duplicate scan up to this many tokens, locks beyond
@@ -672,12 +673,16 @@ void launch_with(const MlaProblem& m, MlaShapeParams shape, cudaStream_t stream)
   shape.items = int(1 + items_for(per_lane));
   shape.q_group = shape.group_heads * m.q_pe.head_stride;
   shape.qo_group = shape.group_heads * m.q_out.head_stride;
-  // CTAs of kSmallCallWarps warps for small calls (one: each warp on its own SM),
-  // kMaxWarpsPerCta beyond, unless a test or benchmark forces the shape. A grid row (blockIdx.x) holds at most 2^31 warps
+  // CTAs of kMaxWarpsPerCta warps for the fewest items (one wait for a CTA to start instead
+  // of several: 7% less time at T = 1, H = 128 under graphs on an H100), one warp per CTA for
+  // other small calls, kMaxWarpsPerCta beyond, unless a test or benchmark forces the shape. A grid row (blockIdx.x) holds at most 2^31 warps
   // (32-bit item arithmetic); a call beyond that (2^31 tokens of tiny heads) takes several rows.
   const int64_t total = T * shape.items;
   const int forced = g_forced_warps.load(std::memory_order_relaxed);
-  const int warps = forced > 0 ? forced : total <= kSmallCallItems ? kSmallCallWarps : kMaxWarpsPerCta;
+  const int warps = forced > 0                   ? forced
+                    : total <= kFewItems          ? kMaxWarpsPerCta
+                    : total <= kSmallCallItems    ? 1
+                                                  : kMaxWarpsPerCta;
   const int64_t row_warps = std::min<int64_t>(total, (int64_t(1) << 31) - warps);
   shape.row_tokens = std::min<int64_t>(T, row_warps / shape.items);
   shape.row_items = uint32_t(shape.row_tokens * shape.items);
