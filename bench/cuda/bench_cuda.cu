@@ -68,6 +68,37 @@ __global__ void fill_bf16(uint16_t* out, size_t n, uint64_t seed) {
   }
 }
 
+/// A device buffer of `elems` bf16 values of filler (fill_bf16).
+std::unique_ptr<DeviceBuffer> filled_bf16(int64_t elems, Rng& rng) {
+  auto b = std::make_unique<DeviceBuffer>(size_t(elems) * 2);
+  fill_bf16<<<1024, 256>>>(static_cast<uint16_t*>(b->ptr), size_t(elems), rng());
+  ROPEPOOL_CUDA_OK(cudaGetLastError());
+  return b;
+}
+
+/// int32 positions (random below 2^17) and slots for n_sets input sets of T tokens on the
+/// device: each set's slots T distinct rows of a P-row cache, consecutive windows of random
+/// permutations.
+void positions_and_slots(Rng& rng, int64_t n_sets, int64_t T, int64_t P, std::unique_ptr<DeviceBuffer>& pos,
+                         std::unique_ptr<DeviceBuffer>& slots) {
+  const int64_t rows = n_sets * T;
+  std::vector<int32_t> h_pos(static_cast<size_t>(rows)), h_slots(static_cast<size_t>(rows)), perm(static_cast<size_t>(P));
+  for (auto& x : h_pos) x = int32_t(rng() % 131072);
+  const int64_t per_perm = P / T;
+  for (int64_t set = 0; set < n_sets; ++set) {
+    if (set % per_perm == 0) {
+      for (int64_t r = 0; r < P; ++r) perm[size_t(r)] = int32_t(r);
+      std::shuffle(perm.begin(), perm.end(), rng);
+    }
+    std::copy_n(perm.begin() + (set % per_perm) * T, T, h_slots.begin() + set * T);
+  }
+  pos = std::make_unique<DeviceBuffer>(size_t(rows) * 4);
+  slots = std::make_unique<DeviceBuffer>(size_t(rows) * 4);
+  ROPEPOOL_CUDA_OK(cudaMemcpy(pos->ptr, h_pos.data(), pos->bytes, cudaMemcpyHostToDevice));
+  ROPEPOOL_CUDA_OK(cudaMemcpy(slots->ptr, h_slots.data(), slots->bytes, cudaMemcpyHostToDevice));
+  ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
+}
+
 /// The benchmark's inputs, as bench/gpu_bench.py makes them (docs/PERFORMANCE.md, Method):
 /// N input sets for T tokens, N chosen so that one pass over them exceeds 4x the L2 (at
 /// least 20, for graphs of 20 calls on 20 different sets, where graphs are timed); set i is
@@ -124,12 +155,7 @@ struct Workload {
     n_sets = std::max<int64_t>(with_graphs ? 20 : 2,
                                int64_t(std::ceil(4.0 * prop.l2CacheSize / set_bytes)));
     const int64_t rows = n_sets * T;
-    auto filled = [&](int64_t elems) {
-      auto b = std::make_unique<DeviceBuffer>(size_t(elems) * 2);
-      fill_bf16<<<1024, 256>>>(static_cast<uint16_t*>(b->ptr), size_t(elems), rng());
-      ROPEPOOL_CUDA_OK(cudaGetLastError());
-      return b;
-    };
+    auto filled = [&](int64_t elems) { return filled_bf16(elems, rng); };
     q = filled(rows * Hq * D), k = filled(rows * Hk * D), v = filled(rows * Hk * D);
     P = (P + pool.page_size - 1) / pool.page_size * pool.page_size;
     // An fp8 pool: half as many bf16 elements of filler (any bytes will do).
@@ -138,22 +164,7 @@ struct Workload {
     scales = std::make_unique<DeviceBuffer>(3 * sizeof(float));
     ROPEPOOL_CUDA_OK(cudaMemcpy(scales->ptr, pool.scale_values(), 3 * sizeof(float), cudaMemcpyHostToDevice));
     if (pool.k_rot) k_out = std::make_unique<DeviceBuffer>(size_t(rows * Hk * D) * 2);
-    std::vector<int32_t> h_pos(static_cast<size_t>(rows)), h_slots(static_cast<size_t>(rows)),
-        perm(static_cast<size_t>(P));
-    for (auto& x : h_pos) x = int32_t(rng() % 131072);
-    const int64_t per_perm = P / T;
-    for (int64_t set = 0; set < n_sets; ++set) {
-      if (set % per_perm == 0) {
-        for (int64_t r = 0; r < P; ++r) perm[size_t(r)] = int32_t(r);
-        std::shuffle(perm.begin(), perm.end(), rng);
-      }
-      std::copy_n(perm.begin() + (set % per_perm) * T, T, h_slots.begin() + set * T);
-    }
-    pos = std::make_unique<DeviceBuffer>(size_t(rows) * 4);
-    slots = std::make_unique<DeviceBuffer>(size_t(rows) * 4);
-    ROPEPOOL_CUDA_OK(cudaMemcpy(pos->ptr, h_pos.data(), pos->bytes, cudaMemcpyHostToDevice));
-    ROPEPOOL_CUDA_OK(cudaMemcpy(slots->ptr, h_slots.data(), slots->bytes, cudaMemcpyHostToDevice));
-    ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
+    positions_and_slots(rng, n_sets, T, P, pos, slots);
     inv_freq = make_rope_schedule(params).inv_freq;
   }
   detail::RopePoolProblem problem(int64_t i, cudaStream_t stream) const {
@@ -638,31 +649,12 @@ struct MlaWorkload {
     ROPEPOOL_CUDA_OK(cudaGetDeviceProperties(&prop, 0));
     n_sets = std::max<int64_t>(T <= 256 ? 20 : 2, int64_t(std::ceil(4.0 * prop.l2CacheSize / bytes())));
     const int64_t rows = n_sets * T;
-    auto filled = [&](int64_t elems) {
-      auto b = std::make_unique<DeviceBuffer>(size_t(elems) * 2);
-      fill_bf16<<<1024, 256>>>(static_cast<uint16_t*>(b->ptr), size_t(elems), rng());
-      ROPEPOOL_CUDA_OK(cudaGetLastError());
-      return b;
-    };
+    auto filled = [&](int64_t elems) { return filled_bf16(elems, rng); };
     q = filled(rows * H * 192), k_pe = filled(rows * R), kv_c = filled(rows * L);
     cache = filled(P * (L + R) / (fp8 ? 2 : 1));
     q_out = std::make_unique<DeviceBuffer>(size_t(rows * H * R) * 2);
     k_out = std::make_unique<DeviceBuffer>(size_t(rows * R) * 2);
-    std::vector<int32_t> h_pos(static_cast<size_t>(rows)), h_slots(static_cast<size_t>(rows)), perm(static_cast<size_t>(P));
-    for (auto& x : h_pos) x = int32_t(rng() % 131072);
-    const int64_t per_perm = P / T;
-    for (int64_t set = 0; set < n_sets; ++set) {
-      if (set % per_perm == 0) {
-        for (int64_t r = 0; r < P; ++r) perm[size_t(r)] = int32_t(r);
-        std::shuffle(perm.begin(), perm.end(), rng);
-      }
-      std::copy_n(perm.begin() + (set % per_perm) * T, T, h_slots.begin() + set * T);
-    }
-    pos = std::make_unique<DeviceBuffer>(size_t(rows) * 4);
-    slots = std::make_unique<DeviceBuffer>(size_t(rows) * 4);
-    ROPEPOOL_CUDA_OK(cudaMemcpy(pos->ptr, h_pos.data(), pos->bytes, cudaMemcpyHostToDevice));
-    ROPEPOOL_CUDA_OK(cudaMemcpy(slots->ptr, h_slots.data(), slots->bytes, cudaMemcpyHostToDevice));
-    ROPEPOOL_CUDA_OK(cudaDeviceSynchronize());
+    positions_and_slots(rng, n_sets, T, P, pos, slots);
     RopePoolParams rp;
     rp.head_dim = R, rp.rope_base = 10000;
     schedule = make_rope_schedule(rp);
