@@ -675,14 +675,13 @@ void launch_with(const MlaProblem& m, MlaShapeParams shape, cudaStream_t stream)
   shape.qo_group = shape.group_heads * m.q_out.head_stride;
   // CTAs of kMaxWarpsPerCta warps for the fewest items (one wait for a CTA to start instead
   // of several: 7% less time at T = 1, H = 128 under graphs on an H100), one warp per CTA for
-  // other small calls, kMaxWarpsPerCta beyond, unless a test or benchmark forces the shape. A grid row (blockIdx.x) holds at most 2^31 warps
-  // (32-bit item arithmetic); a call beyond that (2^31 tokens of tiny heads) takes several rows.
+  // other small calls, kMaxWarpsPerCta beyond, unless a test or benchmark forces the shape.
+  // A grid row (blockIdx.x) holds at most 2^31 warps (32-bit item arithmetic); a call beyond
+  // that (2^31 tokens of tiny heads) takes several rows.
   const int64_t total = T * shape.items;
   const int forced = g_forced_warps.load(std::memory_order_relaxed);
-  const int warps = forced > 0                   ? forced
-                    : total <= kFewItems          ? kMaxWarpsPerCta
-                    : total <= kSmallCallItems    ? 1
-                                                  : kMaxWarpsPerCta;
+  const bool one_warp = total > kFewItems && total <= kSmallCallItems;
+  const int warps = forced > 0 ? forced : one_warp ? 1 : kMaxWarpsPerCta;
   const int64_t row_warps = std::min<int64_t>(total, (int64_t(1) << 31) - warps);
   shape.row_tokens = std::min<int64_t>(T, row_warps / shape.items);
   shape.row_items = uint32_t(shape.row_tokens * shape.items);

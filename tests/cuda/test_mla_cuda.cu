@@ -277,8 +277,9 @@ int main() {
           ++cases;
         }
   // Every CTA shape forced (detail::cuda_launch::set_mla_warps_per_cta), on DeepSeek-V3's
-  // shape at T = 1 (17 warp items at H = 128), 37 and 300 tokens (beyond the small-call
-  // bound), both caches, both pair styles, repeated slots under the scan and the locks.
+  // shape at T = 1 (17 warp items at H = 128, 3 at H = 16), 37 tokens at H = 128 (185 items,
+  // where the launcher takes one-warp CTAs) and 300 at H = 16 (600 items, beyond that range),
+  // both caches, both pair styles, repeated slots under the scan and the locks.
   for (int warps : {1, 2, 3, 4}) {
     detail::cuda_launch::set_mla_warps_per_cta(warps);
     for (bool gptj : {true, false})
