@@ -474,10 +474,7 @@ double time_single(const Workload& w, const detail::cuda_launch::LaunchConfig& c
 
 /// An empty kernel timed as time_single times a call: the floor of that mode.
 double empty_single_us(cudaStream_t s) {
-  long long spin_ns = 50000;
-  std::vector<double> t;
-  for (int r = 0; r < 60; ++r) t.push_back(timed_on_gpu(s, spin_ns, [&] { empty_kernel<<<1, 32, 0, s>>>(); }));
-  return median(t) * 1e6;
+  return stream_median(s, [&](int64_t) { empty_kernel<<<1, 32, 0, s>>>(); }, 60, 1) * 1e6;
 }
 
 /// The SPEC §6 caches at each T beside the [P, Hk, D] bf16 pool of the same run: per call on a
