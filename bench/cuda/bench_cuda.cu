@@ -25,7 +25,8 @@
 //          an empty kernel timed the same way.
 // --mla    also mla_rope_pool_fused (SPEC §8) on bench/gpu_bench_mla.py's inputs (DeepSeek-V3,
 //          H = 128 and 16, bf16 and fp8 token caches) through the public C++ call, and at
-//          T <= 256 with CTAs of 1 to 4 warps forced, in the same run.
+//          T <= 256 with CTAs of 1 to 4 warps forced and with 2, 4 and 8 q units per lane
+//          forced, in the same run.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -443,7 +444,7 @@ void bench(bool sweep, const std::vector<int64_t>& tokens, Rng& rng) {
       }
     }
     char pl[32];
-    std::snprintf(pl, sizeof pl, "%d warps", plan.config.warps_per_cta);
+    std::snprintf(pl, sizeof pl, "%s%d warps", plan.head_kernel ? "head " : "", plan.config.warps_per_cta);
     const double gbps = w.bytes() / t;
     std::printf("%8lld %10.2f %9.0f %6.1f%% %10.2f %10.2f %14s  %s\n", (long long)T, t * 1e6, gbps / 1e9,
                 100 * gbps / copy, tg * 1e6, tn * 1e6, pl, best.c_str());
@@ -681,7 +682,8 @@ struct MlaWorkload {
 
 /// mla_rope_pool_fused at each T (DeepSeek-V3, H = 128 and 16, bf16 and fp8 caches):
 /// back-to-back, alone between the events (T <= 256) and in graphs (T <= 256), in the
-/// launcher's shape; at T <= 256 also with CTAs of 1 to 4 warps forced, in the same run.
+/// launcher's shape; at T <= 256 also with CTAs of 1 to 4 warps forced, and with q items of
+/// 2, 4 and 8 units per lane forced (uU) in CTAs of 1, 2 and 4 warps, in the same run.
 void bench_mla(const std::vector<int64_t>& tokens, Rng& rng) {
   cudaStream_t s;
   ROPEPOOL_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -690,7 +692,7 @@ void bench_mla(const std::vector<int64_t>& tokens, Rng& rng) {
               "262144-row token cache; copy %.0f GB/s); one empty kernel alone between the events: %.2f us\n",
               copy / 1e9, empty_single_us(s));
   std::printf("%8s %4s %6s %10s %7s %10s %10s  %s\n", "T", "H", "cache", "us/call", "%copy", "alone us", "graph us",
-              "us/call: back-to-back; alone: one call between the events; Ww: CTAs of W warps forced: "
+              "us/call: back-to-back; alone: one call between the events; Ww: CTAs of W warps forced, uU: U q units per lane forced: "
               "us/call | alone us | graph us");
   g_json += ", \"mla\": [";
   bool first_row = true;
@@ -703,14 +705,19 @@ void bench_mla(const std::vector<int64_t>& tokens, Rng& rng) {
         const double ta = T <= 256 ? stream_median(s, call, 60, 1) : 0;
         const double tg = T <= 256 ? graph_median(s, call, w.n_sets) : 0;
         std::string forced;
-        for (int warps = 1; warps <= 4 && T <= 256; ++warps) {
-          detail::cuda_launch::set_mla_warps_per_cta(warps);
-          char b[80];
-          std::snprintf(b, sizeof b, "%s%dw %.2f | %.2f | %.2f", forced.empty() ? "" : "; ", warps,
-                        stream_median(s, call, 60, 20) * 1e6, stream_median(s, call, 60, 1) * 1e6,
-                        graph_median(s, call, w.n_sets) * 1e6);
-          forced += b;
-        }
+        for (int units : {0, 2, 4, 8})
+          for (int warps = 1; warps <= 4 && T <= 256; ++warps) {
+            if (units > 0 && warps == 3) continue;
+            detail::cuda_launch::set_mla_q_units_per_lane(units);
+            detail::cuda_launch::set_mla_warps_per_cta(warps);
+            char b[80], u[8] = "";
+            if (units > 0) std::snprintf(u, sizeof u, "u%d ", units);
+            std::snprintf(b, sizeof b, "%s%s%dw %.2f | %.2f | %.2f", forced.empty() ? "" : "; ", u, warps,
+                          stream_median(s, call, 60, 20) * 1e6, stream_median(s, call, 60, 1) * 1e6,
+                          graph_median(s, call, w.n_sets) * 1e6);
+            forced += b;
+          }
+        detail::cuda_launch::set_mla_q_units_per_lane(0);
         detail::cuda_launch::set_mla_warps_per_cta(0);
         std::printf("%8lld %4lld %6s %10.2f %6.1f%% %10.2f %10.2f  %s\n", (long long)T, (long long)H, fp8 ? "fp8" : "bf16",
                     t * 1e6, 100 * w.bytes() / t / copy, ta * 1e6, tg * 1e6, forced.c_str());

@@ -18,9 +18,12 @@
 
 namespace ropepool::cuda {
 
-/// Calls with an fp8 pool or an fp8 q_out up to this many tokens run the head kernel by default
-/// (LaunchConfig::head_kernel), kHeadKernelWarps warps per CTA.
+/// Calls up to this many tokens run the head kernel by default (LaunchConfig::head_kernel),
+/// kHeadKernelWarps warps per CTA: those with an fp8 pool or an fp8 q_out from one token, those
+/// in q's dtype from kHeadKernelMinTokensPlain (at T = 1 the token kernel is as fast under CUDA
+/// graphs: docs/CUDA.md).
 constexpr int kHeadKernelMaxTokens = 128;
+constexpr int kHeadKernelMinTokensPlain = 2;
 constexpr int kHeadKernelWarps = kMaxWarpsPerCta;
 
 /// A token's warps: k warps, then v warps, then q warps, 32 units each (k and q: NeoX pairs of

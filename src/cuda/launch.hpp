@@ -38,8 +38,9 @@ struct LaunchConfig {
   /// ctas_per_token applies to it; 0 (default) the seed's or the paged kernels.
   int split_plain = 0;
   /// The head kernel (head_kernel.cuh: one unit per lane, a token over many short warps;
-  /// head_dim 128 tuned, no QK norm, no row locks): 0 default (calls with an fp8 pool or q_out
-  /// up to cuda::kHeadKernelMaxTokens), 1 wherever it applies, -1 off.
+  /// head_dim 128 tuned, no QK norm, no row locks): 0 default (calls up to
+  /// cuda::kHeadKernelMaxTokens tokens, from 2 tokens in q's dtype, not with split_plain), 1
+  /// wherever it applies, -1 off.
   int head_kernel = 0;
 };
 
@@ -78,5 +79,10 @@ void rope_pool_cuda_with(const RopePoolProblem& problem, const LaunchConfig& ove
 /// (1 to 4), or with the launcher's choice again (0). Process-wide, for the MLA test and the
 /// benchmark only: it is not synchronised with calls running on other threads.
 void set_mla_warps_per_cta(int warps);
+
+/// mla_rope_pool_fused: every launch from now on with q items of `units` 16-byte units per lane
+/// (1, 2, 4 or 8; at least a head's units per lane and at most the kernel's, so 8 runs as 4 on
+/// the NeoX vector path), or with the launcher's choice again (0). Same scope as above.
+void set_mla_q_units_per_lane(int units);
 
 }  // namespace ropepool::detail::cuda_launch

@@ -59,6 +59,8 @@ constexpr int kFewItems = 32;
 constexpr int kSmallCallItems = 256;
 // cuda_launch::set_mla_warps_per_cta: 0, or the warps per CTA of every launch.
 std::atomic<int> g_forced_warps{0};
+// cuda_launch::set_mla_q_units_per_lane: 0, or the q units per lane of every launch.
+std::atomic<int> g_forced_units{0};
 constexpr int kMaxScanTokens = 256;  // the duplicate scan up to this many tokens, locks beyond
 constexpr int kScanPerLane = kMaxScanTokens / 32;
 static_assert(2 * kMaxHalf == cuda_limits_values::kMaxRotaryDim);
@@ -668,6 +670,8 @@ void launch_with(const MlaProblem& m, MlaShapeParams shape, cudaStream_t stream)
     return (H + (32 / group) * (n / slots) - 1) / ((32 / group) * (n / slots));
   };
   if (T * items_for(per_lane) < 64) per_lane = std::max(slots, per_lane / 4);
+  if (const int forced = g_forced_units.load(std::memory_order_relaxed); forced > 0)
+    per_lane = std::min(Warp::kQUnits, std::max(slots, forced));
   shape.q_per_lane = per_lane;
   shape.item_heads = (32 / group) * (per_lane / slots);
   shape.items = int(1 + items_for(per_lane));
@@ -767,6 +771,13 @@ void cuda_launch::set_mla_warps_per_cta(int warps) {
     throw BackendError("set_mla_warps_per_cta: " + std::to_string(warps) + " warps per CTA, expected 0 to " +
                        std::to_string(kMaxWarpsPerCta));
   g_forced_warps.store(warps, std::memory_order_relaxed);
+}
+
+void cuda_launch::set_mla_q_units_per_lane(int units) {
+  if (units != 0 && units != 1 && units != 2 && units != 4 && units != 8)
+    throw BackendError("set_mla_q_units_per_lane: " + std::to_string(units) +
+                       " units per lane, expected 0, 1, 2, 4 or 8");
+  g_forced_units.store(units, std::memory_order_relaxed);
 }
 
 void mla_rope_pool_cuda(const MlaProblem& m) {

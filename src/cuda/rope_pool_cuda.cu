@@ -323,13 +323,14 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   if (plan.pool_write_mode == cuda::kPoolWriteScan) plan.shared_bytes += size_t(T) * 8;
   // The head kernel (head_kernel.cuh): a warp per 32 units of one kind (k, v or q), warps_per_cta
   // of them per CTA (default kHeadKernelWarps), the CTAs of a token along gridDim.y. By default
-  // for small calls with an fp8 pool or q_out: there the token kernel's e4m3 work is the longest
-  // link of a token. Calls in q's dtype stay on the token kernel, as fast or faster under graphs
-  // at T = 1 (docs/CUDA.md).
+  // for small calls: with an fp8 pool or q_out from T = 1 (there the token kernel's e4m3 work is
+  // the longest link of a token), in q's dtype from T = 2 (at T = 1 the token kernel is as fast
+  // under CUDA graphs; docs/CUDA.md).
   assert(c.head_kernel >= -1 && c.head_kernel <= 1);
   const bool head_ok = !norm && plan.path == Path::Tuned && D == 128 && no_row_lock;
-  plan.head_kernel = head_ok && (c.head_kernel == 1 || (c.head_kernel == 0 && (fp8_pool || fp8_q) &&
-                                                        T <= cuda::kHeadKernelMaxTokens));
+  const bool head_default = T <= cuda::kHeadKernelMaxTokens && !split_plain &&
+                            (fp8_pool || fp8_q || T >= cuda::kHeadKernelMinTokensPlain);
+  plan.head_kernel = head_ok && (c.head_kernel == 1 || (c.head_kernel == 0 && head_default));
   if (plan.head_kernel) {
     const int64_t warps = cuda::head_warp_counts(int(p.num_qo_heads), int(p.num_kv_heads), int(D / 2 / plan.vec_elems),
                                                  int(D / plan.vec_elems))

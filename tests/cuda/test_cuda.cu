@@ -310,6 +310,7 @@ void call(Problem& pr, Kernel kernel, const CallOptions& o = {}) {
   const detail::RopePoolProblem p = detail::backend_problem(pr.dev, pr.params, o, schedule);
   LaunchConfig cfg;
   cfg.warps_per_cta = kernel == Kernel::OneWarp ? 1 : 2;
+  cfg.head_kernel = -1;  // the token kernel's shapes (from T = 2 the default is the head kernel)
   detail::cuda_launch::rope_pool_cuda_with(p, cfg);
 }
 
@@ -1023,6 +1024,9 @@ struct PoolRun {
     if (c.head_kernel == 0 && (c.no_split || c.capped || c.forced_uncapped || c.ctas_per_token || c.fp8_q_units ||
                                c.split_plain || c.expect_uncapped == 1))
       cfg.head_kernel = -1;
+    // Forced warps in q's dtype: the token kernel's shapes, as before the head kernel took these
+    // calls by default (fp8 calls keep the head kernel at that CTA size).
+    if (c.head_kernel == 0 && !c.fp8_pool && !c.fp8_q && (c.kernel != Kernel::Auto || c.warps)) cfg.head_kernel = -1;
   }
 
   /// The scales the next launch uses: values, or (scale_ptrs) the device floats, with a wrong
@@ -1352,12 +1356,13 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   // The planner: where the call takes no row locks (T <= kMaxScanTokens, 256:
   // src/cuda/rope_pool_kernel.cuh), an fp8 pool's k and v heads on items of their own (unless
   // the case turns it off) and an fp8 q_out's q items of 2 units (kQUnitsFp8), else of 4.
-  // The head kernel: forced, or by default for calls with an fp8 pool or q_out up to T = 128 on the
-  // tuned path of head_dim 128 without a QK norm (src/cuda/head_kernel.cuh).
+  // The head kernel: forced, or by default up to T = 128 on the tuned path of head_dim 128 without
+  // a QK norm, for calls with an fp8 pool or q_out from T = 1, in q's dtype from T = 2
+  // (src/cuda/head_kernel.cuh).
   const bool head_ok = path == Path::Tuned && pc.D == 128 && !pc.norm && pc.T <= 256;
   const bool want_head = run.cfg.head_kernel == 1    ? head_ok
                          : run.cfg.head_kernel == -1 ? false
-                                                     : head_ok && (pc.fp8_pool || pc.fp8_q) && pc.T <= 128;
+                                                     : head_ok && pc.T <= 128 && (pc.fp8_pool || pc.fp8_q || pc.T >= 2);
   if (head != want_head) {
     ++bad;
     first = std::string("plan ") + (head ? "took" : "did not take") + " the head kernel" +

@@ -302,6 +302,34 @@ int main() {
           ++cases;
         }
   }
+  // Every q-unit count forced (set_mla_q_units_per_lane) with one-warp and 4-warp CTAs, on
+  // small calls where the launcher takes 2 units per lane (T = 8 at H = 128) or 8 (T = 16 at
+  // H = 128, T = 64 at H = 16): q items of 4 to 32 heads, a partial last item at 16 heads.
+  for (int units : {1, 2, 4, 8})
+    for (int warps : {1, 4}) {
+      detail::cuda_launch::set_mla_q_units_per_lane(units);
+      detail::cuda_launch::set_mla_warps_per_cta(warps);
+      for (bool gptj : {true, false})
+        for (bool fp8 : {false, true})
+          for (auto [T, H] : {std::pair<int64_t, int64_t>{8, 128}, {16, 128}, {64, 16}}) {
+            MlaShape s;
+            s.dtype = DType::BFloat16;
+            s.cache_dtype = fp8 ? DType::Float8E4M3FN : s.dtype;
+            s.interleaved = gptj;
+            s.num_tokens = T;
+            s.num_heads = H;
+            s.pool_size = 512;
+            if (fp8) s.kv_scale = 0.0625;
+            s.rope_scaling = deepseek_v3_yarn();
+            const std::string what = "forced " + std::to_string(units) + " q units per lane, " +
+                                     std::to_string(warps) + " warps per CTA, bfloat16" +
+                                     (gptj ? " gptj" : " neox") + (fp8 ? " fp8" : "") + " T " +
+                                     std::to_string(T) + " H " + std::to_string(H);
+            run_case(rng, s, what, 3);
+            ++cases;
+          }
+    }
+  detail::cuda_launch::set_mla_q_units_per_lane(0);
   detail::cuda_launch::set_mla_warps_per_cta(0);
   MlaShape inplace;
   inplace.inplace = true;
