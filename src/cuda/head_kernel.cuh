@@ -21,8 +21,11 @@ namespace ropepool::cuda {
 /// Calls up to this many tokens run the head kernel by default (LaunchConfig::head_kernel),
 /// kHeadKernelWarps warps per CTA: those with an fp8 pool or an fp8 q_out from one token, those
 /// in q's dtype from kHeadKernelMinTokensPlain (at T = 1 the token kernel is as fast under CUDA
-/// graphs: docs/CUDA.md).
+/// graphs: docs/CUDA.md). Calls on a pool variant (an fp8 pool or q_out, a paged pool, no k_rot)
+/// up to kHeadKernelMaxTokensVariant: at T = 256 the head kernel is faster for them, even with
+/// the token kernel for the seed's pool.
 constexpr int kHeadKernelMaxTokens = 128;
+constexpr int kHeadKernelMaxTokensVariant = kMaxScanTokens;
 constexpr int kHeadKernelMinTokensPlain = 2;
 constexpr int kHeadKernelWarps = kMaxWarpsPerCta;
 

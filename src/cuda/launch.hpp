@@ -39,8 +39,8 @@ struct LaunchConfig {
   int split_plain = 0;
   /// The head kernel (head_kernel.cuh: one unit per lane, a token over many short warps;
   /// head_dim 128 tuned, no QK norm, no row locks): 0 default (calls up to
-  /// cuda::kHeadKernelMaxTokens tokens, from 2 tokens in q's dtype, not with split_plain), 1
-  /// wherever it applies, -1 off.
+  /// cuda::kHeadKernelMaxTokens tokens, cuda::kHeadKernelMaxTokensVariant on a pool variant,
+  /// from 2 tokens in q's dtype, not with split_plain), 1 wherever it applies, -1 off.
   int head_kernel = 0;
 };
 

@@ -325,10 +325,11 @@ LaunchPlan plan_launch(const RopePoolProblem& p, const LaunchConfig& overrides) 
   // of them per CTA (default kHeadKernelWarps), the CTAs of a token along gridDim.y. By default
   // for small calls: with an fp8 pool or q_out from T = 1 (there the token kernel's e4m3 work is
   // the longest link of a token), in q's dtype from T = 2 (at T = 1 the token kernel is as fast
-  // under CUDA graphs; docs/CUDA.md).
+  // under CUDA graphs; docs/CUDA.md); up to T = 128, or 256 on a pool variant.
   assert(c.head_kernel >= -1 && c.head_kernel <= 1);
   const bool head_ok = !norm && plan.path == Path::Tuned && D == 128 && no_row_lock;
-  const bool head_default = T <= cuda::kHeadKernelMaxTokens && !split_plain &&
+  const int64_t head_max = plan.pool_variant != 0 ? cuda::kHeadKernelMaxTokensVariant : cuda::kHeadKernelMaxTokens;
+  const bool head_default = T <= head_max && !split_plain &&
                             (fp8_pool || fp8_q || T >= cuda::kHeadKernelMinTokensPlain);
   plan.head_kernel = head_ok && (c.head_kernel == 1 || (c.head_kernel == 0 && head_default));
   if (plan.head_kernel) {

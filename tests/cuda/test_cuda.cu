@@ -1356,13 +1356,17 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   // The planner: where the call takes no row locks (T <= kMaxScanTokens, 256:
   // src/cuda/rope_pool_kernel.cuh), an fp8 pool's k and v heads on items of their own (unless
   // the case turns it off) and an fp8 q_out's q items of 2 units (kQUnitsFp8), else of 4.
-  // The head kernel: forced, or by default up to T = 128 on the tuned path of head_dim 128 without
-  // a QK norm, for calls with an fp8 pool or q_out from T = 1, in q's dtype from T = 2
+  // The head kernel: forced, or by default on the tuned path of head_dim 128 without a QK norm,
+  // for calls with an fp8 pool or q_out from T = 1, in q's dtype from T = 2; up to T = 128, or
+  // 256 for a pool variant (an fp8 pool or q_out, pages of more than one row, no k_rot)
   // (src/cuda/head_kernel.cuh).
   const bool head_ok = path == Path::Tuned && pc.D == 128 && !pc.norm && pc.T <= 256;
+  const bool paged = pc.cache != Cache::Pool3D && pc.cache != Cache::Stack3D && pc.page_size > 1;
+  const bool on_variant = pc.fp8_pool || pc.fp8_q || pc.no_k_rot || paged;
   const bool want_head = run.cfg.head_kernel == 1    ? head_ok
                          : run.cfg.head_kernel == -1 ? false
-                                                     : head_ok && pc.T <= 128 && (pc.fp8_pool || pc.fp8_q || pc.T >= 2);
+                                                     : head_ok && pc.T <= (on_variant ? 256 : 128) &&
+                                                           (pc.fp8_pool || pc.fp8_q || pc.T >= 2);
   if (head != want_head) {
     ++bad;
     first = std::string("plan ") + (head ? "took" : "did not take") + " the head kernel" +
@@ -1702,7 +1706,7 @@ void test_paged_slots(Rng& rng) {
   for (bool fp8 : {false, true})
     for (auto [T, kernel, run_head] : {std::tuple{int64_t(200), Kernel::Auto, 0}, {int64_t(600), Kernel::OneWarp, 0},
                                        {int64_t(4096), Kernel::Auto, 0}, {int64_t(200), Kernel::Auto, 1},
-                                       {int64_t(40), Kernel::TwoWarps, 1}}) {
+                                       {int64_t(40), Kernel::TwoWarps, 1}, {int64_t(256), Kernel::Auto, 1}}) {
       if (g_sanitize && T > 600) continue;
       PoolCase c;
       c.dtype = fp8 ? DType::Float32 : DType::BFloat16;  // float32: fp8 k rows are exact too
@@ -2243,14 +2247,30 @@ void test_head_kernel(Rng& rng) {
         c.fp8_pool = no_k_rot, c.fp8_q = no_k_rot, c.k_scale = 0.0375f, c.v_scale = 0.3f, c.q_scale = 0.07f;
         run_pool_case(c, rng, "head");
       }
-  // The planner's bound (kHeadKernelMaxTokens): T = 128 takes the head kernel by default, 129 not.
+  // The planner's bounds: the seed's pool takes the head kernel by default to T = 128
+  // (kHeadKernelMaxTokens), not at 129; a pool variant to T = 256 (kHeadKernelMaxTokensVariant,
+  // the most tokens without row locks), not at 257. At T = 256 the scan's later-slot registers
+  // are all in use: every layout, fp8 and not (duplicate slots at T = 256: test_paged_slots).
   for (int64_t T : {int64_t(128), int64_t(129)}) {
     if (g_sanitize) continue;
     PoolCase c;
-    c.dtype = DType::BFloat16, c.cache = Cache::NHD, c.page_size = 16, c.T = T, c.Hq = 32, c.Hk = 8, c.D = 128;
-    c.fp8_pool = true, c.fp8_q = T == 128, c.k_scale = 0.0375f, c.v_scale = 0.3f, c.q_scale = 0.07f;
+    c.dtype = DType::BFloat16, c.cache = Cache::Pool3D, c.T = T, c.Hq = 32, c.Hk = 8, c.D = 128;
     run_pool_case(c, rng, "head");
   }
+  int pick = 0;
+  for (Cache cache : {Cache::Pool3D, Cache::NHD, Cache::HND, Cache::FlashNHD})
+    for (int fp8 : {0, 1, 2, 3})
+      for (int64_t T : {int64_t(256), int64_t(257)}) {
+        if (g_sanitize || (T == 257 && fp8 != 3)) continue;
+        PoolCase c;
+        c.dtype = pick % 3 == 0 ? DType::BFloat16 : pick % 3 == 1 ? DType::Float16 : DType::Float32;
+        c.cache = cache, c.page_size = cache == Cache::HND ? 5 : 16, c.T = T, c.Hq = 32, c.Hk = 8, c.D = 128;
+        c.fp8_pool = fp8 & 1, c.fp8_q = fp8 & 2, c.no_k_rot = cache == Cache::Pool3D && fp8 == 0;
+        c.k_scale = 0.0375f, c.v_scale = 0.3f, c.q_scale = 0.07f, c.scale_ptrs = pick % 2 == 0;
+        c.specials = fp8 != 0 && pick % 2 == 1;
+        ++pick;
+        run_pool_case(c, rng, "head");
+      }
 }
 
 void test_pools(Rng& rng) {
