@@ -52,11 +52,13 @@ constexpr int kMaxHalf = 256;   // inv_freq by value: rope_dim <= 512 (cuda_limi
 constexpr int kSmallHalf = 32;  // rope_dim <= 64 (every MLA model): a 256-byte inv_freq
 constexpr int kRowLocks = 1 << 16;
 constexpr int kMaxWarpsPerCta = 4;
-// The launch shape by the call's warp items: up to kFewItems (T = 1 at H = 128: 17; T <= 10 at
-// H = 16) CTAs of kMaxWarpsPerCta warps; up to kSmallCallItems one warp per CTA (each on an SM
-// of its own); beyond, kMaxWarpsPerCta again.
-constexpr int kFewItems = 32;
-constexpr int kSmallCallItems = 256;
+// The launch shape by the call's warp items: up to kFewItems, as many as an H100's or H200's
+// SMs (DeepSeek-V3: T = 1-7 and 16-26 at H = 128, T <= 44 and 64-66 at H = 16, with the units
+// per lane below), CTAs of kMaxWarpsPerCta warps; up to kSmallCallItems one warp per CTA (one
+// to four on an SM); beyond, kMaxWarpsPerCta again. Measured on both (docs/CUDA.md, "Launch
+// shape").
+constexpr int kFewItems = 132;
+constexpr int kSmallCallItems = 4 * kFewItems;
 // cuda_launch::set_mla_warps_per_cta: 0, or the warps per CTA of every launch.
 std::atomic<int> g_forced_warps{0};
 // cuda_launch::set_mla_q_units_per_lane: 0, or the q units per lane of every launch.
@@ -677,9 +679,10 @@ void launch_with(const MlaProblem& m, MlaShapeParams shape, cudaStream_t stream)
   shape.items = int(1 + items_for(per_lane));
   shape.q_group = shape.group_heads * m.q_pe.head_stride;
   shape.qo_group = shape.group_heads * m.q_out.head_stride;
-  // CTAs of kMaxWarpsPerCta warps for the fewest items (one wait for a CTA to start instead
-  // of several: 7% less time at T = 1, H = 128 under graphs on an H100), one warp per CTA for
-  // other small calls, kMaxWarpsPerCta beyond, unless a test or benchmark forces the shape.
+  // CTAs of kMaxWarpsPerCta warps while the items fit the SMs one each (fewer CTAs to start:
+  // 7% less time at T = 1, H = 128 under graphs on an H100, 0.2-0.35 µs less at T = 2-4,
+  // H = 128 and T = 16-64, H = 16), one warp per CTA up to four per SM, kMaxWarpsPerCta beyond,
+  // unless a test or benchmark forces the shape.
   // A grid row (blockIdx.x) holds at most 2^31 warps (32-bit item arithmetic); a call beyond
   // that (2^31 tokens of tiny heads) takes several rows.
   const int64_t total = T * shape.items;
