@@ -53,12 +53,15 @@ constexpr int kSmallHalf = 32;  // rope_dim <= 64 (every MLA model): a 256-byte 
 constexpr int kRowLocks = 1 << 16;
 constexpr int kMaxWarpsPerCta = 4;
 // The launch shape by the call's warp items: up to kFewItems, as many as an H100's or H200's
-// SMs (DeepSeek-V3: T = 1-7 and 16-26 at H = 128, T <= 44 and 64-66 at H = 16, with the units
-// per lane below), CTAs of kMaxWarpsPerCta warps; up to kSmallCallItems one warp per CTA (one
-// to four on an SM); beyond, kMaxWarpsPerCta again. Measured on both (docs/CUDA.md, "Launch
-// shape").
+// SMs (DeepSeek-V3: T <= 7 at H = 128, T <= 44 at H = 16, with the units per lane below), CTAs
+// of kMaxWarpsPerCta warps; up to kSmallCallItems one warp per CTA (one to four on an SM;
+// DeepSeek-V3: to T = 105 at H = 128, 264 at H = 16); beyond, kMaxWarpsPerCta again. Measured
+// on both (docs/CUDA.md, "Launch shape").
 constexpr int kFewItems = 132;
 constexpr int kSmallCallItems = 4 * kFewItems;
+// Calls of fewer q items than this at the most units per lane take a quarter of those units
+// (DeepSeek-V3: T < 32 at H = 128, T < 128 at H = 16).
+constexpr int kSmallQItems = 128;
 // cuda_launch::set_mla_warps_per_cta: 0, or the warps per CTA of every launch.
 std::atomic<int> g_forced_warps{0};
 // cuda_launch::set_mla_q_units_per_lane: 0, or the q units per lane of every launch.
@@ -671,7 +674,7 @@ void launch_with(const MlaProblem& m, MlaShapeParams shape, cudaStream_t stream)
   const auto items_for = [&](int n) {
     return (H + (32 / group) * (n / slots) - 1) / ((32 / group) * (n / slots));
   };
-  if (T * items_for(per_lane) < 64) per_lane = std::max(slots, per_lane / 4);
+  if (T * items_for(per_lane) < kSmallQItems) per_lane = std::max(slots, per_lane / 4);
   if (const int forced = g_forced_units.load(std::memory_order_relaxed); forced > 0)
     per_lane = std::min(Warp::kQUnits, std::max(slots, forced));
   shape.q_per_lane = per_lane;

@@ -280,21 +280,26 @@ int main() {
   // shape at T = 1 (17 warp items at H = 128, 3 at H = 16), 37 tokens at H = 128 (185 items,
   // where the launcher takes one-warp CTAs) and 300 at H = 16 (600 items, beyond that range),
   // both caches, both pair styles, repeated slots under the scan and the locks.
+  // DeepSeek-V3's rotary part in bfloat16, T tokens of H heads, a 512-row cache.
+  const auto deepseek = [](int64_t T, int64_t H, bool gptj, bool fp8) {
+    MlaShape s;
+    s.dtype = DType::BFloat16;
+    s.cache_dtype = fp8 ? DType::Float8E4M3FN : s.dtype;
+    s.interleaved = gptj;
+    s.num_tokens = T;
+    s.num_heads = H;
+    s.pool_size = 512;
+    if (fp8) s.kv_scale = 0.0625;
+    s.rope_scaling = deepseek_v3_yarn();
+    return s;
+  };
   for (int warps : {1, 2, 3, 4}) {
     detail::cuda_launch::set_mla_warps_per_cta(warps);
     for (bool gptj : {true, false})
       for (bool fp8 : {false, true})
         for (auto [T, H] : {std::pair<int64_t, int64_t>{1, 128}, {1, 16}, {37, 128}, {300, 16}}) {
-          MlaShape s;
-          s.dtype = DType::BFloat16;
-          s.cache_dtype = fp8 ? DType::Float8E4M3FN : s.dtype;
-          s.interleaved = gptj;
+          MlaShape s = deepseek(T, H, gptj, fp8);
           s.page_size = T == 37 ? 16 : 0;
-          s.num_tokens = T;
-          s.num_heads = H;
-          s.pool_size = 512;
-          if (fp8) s.kv_scale = 0.0625;
-          s.rope_scaling = deepseek_v3_yarn();
           const std::string what = "forced " + std::to_string(warps) + " warps per CTA, bfloat16" +
                                    (gptj ? " gptj" : " neox") + (fp8 ? " fp8" : "") + " T " +
                                    std::to_string(T) + " H " + std::to_string(H);
@@ -303,24 +308,16 @@ int main() {
         }
   }
   // Every q-unit count forced (set_mla_q_units_per_lane) with one-warp and 4-warp CTAs, on
-  // small calls where the launcher takes 2 units per lane (T = 8 at H = 128) or 8 (T = 16 at
-  // H = 128, T = 64 at H = 16): q items of 4 to 32 heads, a partial last item at 16 heads.
+  // small calls where the launcher takes 2 units per lane (T = 8 and 16 at H = 128, T = 64 at
+  // H = 16) or 8 (T = 32 at H = 128): q items of 4 to 32 heads, a partial last item at 16 heads.
   for (int units : {1, 2, 4, 8})
     for (int warps : {1, 4}) {
       detail::cuda_launch::set_mla_q_units_per_lane(units);
       detail::cuda_launch::set_mla_warps_per_cta(warps);
       for (bool gptj : {true, false})
         for (bool fp8 : {false, true})
-          for (auto [T, H] : {std::pair<int64_t, int64_t>{8, 128}, {16, 128}, {64, 16}}) {
-            MlaShape s;
-            s.dtype = DType::BFloat16;
-            s.cache_dtype = fp8 ? DType::Float8E4M3FN : s.dtype;
-            s.interleaved = gptj;
-            s.num_tokens = T;
-            s.num_heads = H;
-            s.pool_size = 512;
-            if (fp8) s.kv_scale = 0.0625;
-            s.rope_scaling = deepseek_v3_yarn();
+          for (auto [T, H] : {std::pair<int64_t, int64_t>{8, 128}, {16, 128}, {32, 128}, {64, 16}}) {
+            const MlaShape s = deepseek(T, H, gptj, fp8);
             const std::string what = "forced " + std::to_string(units) + " q units per lane, " +
                                      std::to_string(warps) + " warps per CTA, bfloat16" +
                                      (gptj ? " gptj" : " neox") + (fp8 ? " fp8" : "") + " T " +
