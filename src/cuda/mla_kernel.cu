@@ -684,7 +684,7 @@ void launch_with(const MlaProblem& m, MlaShapeParams shape, cudaStream_t stream)
   shape.qo_group = shape.group_heads * m.q_out.head_stride;
   // CTAs of kMaxWarpsPerCta warps while the items fit the SMs one each (fewer CTAs to start:
   // 7% less time at T = 1, H = 128 under graphs on an H100, 0.2-0.35 µs less at T = 2-4,
-  // H = 128 and T = 16-64, H = 16), one warp per CTA up to four per SM, kMaxWarpsPerCta beyond,
+  // H = 128 and T = 16-32, H = 16), one warp per CTA up to four per SM, kMaxWarpsPerCta beyond,
   // unless a test or benchmark forces the shape.
   // A grid row (blockIdx.x) holds at most 2^31 warps (32-bit item arithmetic); a call beyond
   // that (2^31 tokens of tiny heads) takes several rows.

@@ -922,9 +922,11 @@ struct PoolCase {
   int expect_uncapped = -1; ///< 1 or 0: whether the plan must take the uncapped kernel; -1 any
   int expect_path = -1;     ///< a Path the plan must choose, or -1
   std::vector<int64_t> slots;  ///< empty: distinct random rows, some negative
+  /// Rows per page as the kernel sees them: the 3-D pools are pages of one row.
+  int64_t rows_per_page() const { return cache == Cache::Pool3D || cache == Cache::Stack3D ? 1 : page_size; }
   std::string name() const {
     char b[400];
-    const int64_t ps = cache == Cache::Pool3D || cache == Cache::Stack3D ? 1 : page_size;
+    const int64_t ps = rows_per_page();
     std::snprintf(b, sizeof b, "%s T=%lld Hq=%lld Hk=%lld D=%lld%s%s %s ps=%lld%s%s pool=%s%s%s%s%s%s%s [%s]",
                   dtype_name(dtype), (long long)T, (long long)Hq, (long long)Hk, (long long)D,
                   R ? (" R=" + std::to_string(R)).c_str() : "", interleaved ? " gptj" : "",
@@ -976,7 +978,7 @@ struct PoolRun {
   LaunchConfig cfg;
 
   PoolRun(const PoolCase& cs, Rng& rng) : c(cs) {
-    ps = c.cache == Cache::Pool3D || c.cache == Cache::Stack3D ? 1 : c.page_size;
+    ps = c.rows_per_page();
     pages = c.pages ? c.pages : (2 * c.T + 5 + ps - 1) / ps + 1;
     P = pages * ps;
     es = dtype_size(c.dtype);
@@ -1361,8 +1363,7 @@ void run_pool_case(const PoolCase& pc, Rng& rng, const char* group) {
   // 256 for a pool variant (an fp8 pool or q_out, pages of more than one row, no k_rot)
   // (src/cuda/head_kernel.cuh).
   const bool head_ok = path == Path::Tuned && pc.D == 128 && !pc.norm && pc.T <= 256;
-  const bool paged = pc.cache != Cache::Pool3D && pc.cache != Cache::Stack3D && pc.page_size > 1;
-  const bool on_variant = pc.fp8_pool || pc.fp8_q || pc.no_k_rot || paged;
+  const bool on_variant = pc.fp8_pool || pc.fp8_q || pc.no_k_rot || pc.rows_per_page() > 1;
   const bool want_head = run.cfg.head_kernel == 1    ? head_ok
                          : run.cfg.head_kernel == -1 ? false
                                                      : head_ok && pc.T <= (on_variant ? 256 : 128) &&

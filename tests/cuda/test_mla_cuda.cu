@@ -280,8 +280,8 @@ int main() {
   // shape at T = 1 (17 warp items at H = 128, 3 at H = 16), 37 tokens at H = 128 (185 items,
   // where the launcher takes one-warp CTAs) and 300 at H = 16 (600 items, beyond that range),
   // both caches, both pair styles, repeated slots under the scan and the locks.
-  // DeepSeek-V3's rotary part in bfloat16, T tokens of H heads, a 512-row cache.
   const auto deepseek = [](int64_t T, int64_t H, bool gptj, bool fp8) {
+    // DeepSeek-V3's rotary part in bfloat16, T tokens of H heads, a 512-row cache.
     MlaShape s;
     s.dtype = DType::BFloat16;
     s.cache_dtype = fp8 ? DType::Float8E4M3FN : s.dtype;
