@@ -116,6 +116,8 @@ struct PoolSpec {
   bool pow2_scales = false;
   /// false: no k_rot (SPEC §4 return_k_rot=False): a null k_out, nothing written there.
   bool k_rot = true;
+  /// SPEC §7's QK norm ("rms", bf16 weights for q and k: Qwen3's), in the main kernel.
+  bool qk_norm = false;
   const float* scale_values() const {
     static const float pow2[3] = {0.5f, 0.25f, 0.125f}, other[3] = {0.05f, 0.0375f, 0.02f};
     return pow2_scales ? pow2 : other;
@@ -128,6 +130,7 @@ struct PoolSpec {
     if (fp8_q) n += ", q_out fp8";
     if ((fp8_pool || fp8_q) && pow2_scales) n += ", 2^-k scales";
     if (!k_rot) n += ", no k_rot";
+    if (qk_norm) n += ", qk-norm";
     return n;
   }
 };
@@ -136,16 +139,17 @@ struct Workload {
   int64_t T, P = 262144, Hq = 32, Hk = 8, D = 128, n_sets = 0;
   DType dtype = DType::BFloat16;
   PoolSpec pool;
-  std::unique_ptr<DeviceBuffer> q, k, v, pos, slots, q_out, k_out, k_pool, v_pool, scales;
+  std::unique_ptr<DeviceBuffer> q, k, v, pos, slots, q_out, k_out, k_pool, v_pool, scales, norm_w;
   RopePoolParams params;
   std::vector<double> inv_freq;
   /// Bytes one call moves, each tensor at its own element size: q, k, v read; q_out, k_out
   /// (not without k_rot) written; one k and one v pool row written per token; int32
-  /// positions and slots read.
+  /// positions and slots read; the QK norm's two weights read.
   double bytes() const {
     const double es = 2, pool_es = pool.fp8_pool ? 1 : 2, q_out_es = pool.fp8_q ? 1 : 2;
     const double k_es = pool.k_rot ? 3 * es : 2 * es;  // k, v read; k_out written
-    return double(T) * D * (Hq * (es + q_out_es) + Hk * (k_es + 2 * pool_es)) + 2.0 * 4 * T;
+    return double(T) * D * (Hq * (es + q_out_es) + Hk * (k_es + 2 * pool_es)) + 2.0 * 4 * T +
+           (pool.qk_norm ? 2.0 * D * es : 0.0);
   }
   Workload(int64_t tokens, bool with_graphs, Rng& rng, const PoolSpec& spec = {}) : T(tokens), pool(spec) {
     P = std::max<int64_t>(P, T);
@@ -166,6 +170,7 @@ struct Workload {
     ROPEPOOL_CUDA_OK(cudaMemcpy(scales->ptr, pool.scale_values(), 3 * sizeof(float), cudaMemcpyHostToDevice));
     if (pool.k_rot) k_out = std::make_unique<DeviceBuffer>(size_t(rows * Hk * D) * 2);
     positions_and_slots(rng, n_sets, T, P, pos, slots);
+    if (pool.qk_norm) norm_w = filled(2 * D);  // q's weight, then k's
     inv_freq = make_rope_schedule(params).inv_freq;
   }
   detail::RopePoolProblem problem(int64_t i, cudaStream_t stream) const {
@@ -201,6 +206,10 @@ struct Workload {
     p.positions = {pos->bytes_at(size_t(row) * 4), 1, false};
     p.slots = {slots->bytes_at(size_t(row) * 4), 1, false};
     p.inv_freq = inv_freq.data();
+    if (pool.qk_norm) {
+      p.q_norm_weight = norm_w->ptr, p.k_norm_weight = norm_w->bytes_at(size_t(D) * 2);
+      p.q_norm_dtype = p.k_norm_dtype = dtype;
+    }
     p.stream = stream;
     return p;
   }
@@ -508,6 +517,13 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
   specs.push_back({PoolSpec::Flat, 1, true, false, true, true});
   specs.push_back({PoolSpec::NHD, 16, true, true, true, true});
   specs.push_back({PoolSpec::Flat, 1, false, true, false, true});
+  // SPEC §7's QK norm (Qwen3: "rms", bf16 weights) on the seed's pool and on an fp8 NHD cache.
+  auto with_norm = [](PoolSpec spec) {
+    spec.qk_norm = true;
+    return spec;
+  };
+  specs.push_back(with_norm({}));
+  specs.push_back(with_norm({PoolSpec::NHD, 16, true, false, false}));
   std::printf("\nSPEC 6 caches (bf16 q/k/v, Hq 32, Hk 8, D 128, 262144-slot caches; copy %.0f GB/s); "
               "one empty kernel alone between the events: %.2f us\n", copy / 1e9, empty_single_us(s));
   std::printf("%8s  %-40s %10s %9s %7s %10s %10s %10s  %s\n", "T", "cache", "us/call", "GB/s", "%copy", "alone us", "graph us",

@@ -82,7 +82,9 @@ uint32_t to_bits(float f, DType dt) {
 
 // ---- one test case ----------------------------------------------------------------------
 
-enum class Layout { Contiguous, FusedQkv, Misaligned };
+/// PaddedHeads: the fused layout with 16 bytes after each head (a head stride of D + 16 bytes):
+/// a token's heads are not contiguous in its row.
+enum class Layout { Contiguous, FusedQkv, Misaligned, PaddedHeads };
 
 struct Case {
   DType dtype = DType::BFloat16;
@@ -98,7 +100,10 @@ struct Case {
     std::snprintf(b, sizeof b, "%s T=%lld Hq=%lld Hk=%lld D=%lld R=%lld%s%s%s",
                   dtype_name(dtype), (long long)T, (long long)Hq, (long long)Hk, (long long)D,
                   (long long)(R ? R : D), interleaved ? " interleaved" : "",
-                  layout == Layout::FusedQkv ? " fused-qkv" : layout == Layout::Misaligned ? " misaligned" : "",
+                  layout == Layout::FusedQkv     ? " fused-qkv"
+                  : layout == Layout::Misaligned  ? " misaligned"
+                  : layout == Layout::PaddedHeads ? " padded-heads"
+                                                  : "",
                   index64 ? " int64" : "");
     return b;
   }
@@ -128,7 +133,8 @@ struct Problem {
     // q, k, v: one buffer. Fused: rows of [Hq + 2 Hk, D]; else three blocks. Misaligned:
     // everything one element off a 16-byte boundary.
     const int64_t off = c.layout == Layout::Misaligned ? 1 : 0;
-    const int64_t row = (Hq + 2 * Hk) * D;
+    const int64_t hs = c.layout == Layout::PaddedHeads ? D + int64_t(16 / es) : D;  // head stride
+    const int64_t row = (Hq + 2 * Hk) * hs;
     const int64_t n = T * row + 3 * off + 8;
     h_qkv.resize(size_t(n) * es);
     std::uniform_real_distribution<float> u(-2.f, 2.f);
@@ -139,16 +145,17 @@ struct Problem {
     auto view = [&](void* base, int64_t elem_off, int64_t H, int64_t rs, Device d) {
       TensorView t = TensorView::contiguous(static_cast<char*>(base) + elem_off * int64_t(es), c.dtype, {T, H, D}, d);
       t.strides[0] = rs;
+      t.strides[1] = hs;
       return t;
     };
     d_qkv = std::make_unique<DeviceBuffer>(h_qkv.size());
     ROPEPOOL_CUDA_OK(cudaMemcpy(d_qkv->ptr, h_qkv.data(), h_qkv.size(), cudaMemcpyHostToDevice));
     const Device cpu{}, gpu{DeviceType::CUDA, 0};
     for (auto [side, base, dev] : {std::tuple{&host, (void*)h_qkv.data(), cpu}, {&dev, d_qkv->ptr, gpu}}) {
-      if (c.layout == Layout::FusedQkv) {
+      if (c.layout == Layout::FusedQkv || c.layout == Layout::PaddedHeads) {
         side->q = view(base, 0, Hq, row, dev);
-        side->k = view(base, Hq * D, Hk, row, dev);
-        side->v = view(base, (Hq + Hk) * D, Hk, row, dev);
+        side->k = view(base, Hq * hs, Hk, row, dev);
+        side->v = view(base, (Hq + Hk) * hs, Hk, row, dev);
       } else {
         side->q = view(base, off, Hq, Hq * D, dev);
         side->k = view(base, off + T * Hq * D, Hk, Hk * D, dev);
@@ -369,7 +376,7 @@ void test_grid(bool quick, Rng& rng) {
         }
       }
     }
-    for (Layout l : {Layout::FusedQkv, Layout::Misaligned})
+    for (Layout l : {Layout::FusedQkv, Layout::Misaligned, Layout::PaddedHeads})
       for (int64_t D : {int64_t(128), int64_t(64)}) {
         Case c;
         c.dtype = dt, c.D = D, c.layout = l, c.T = 45, c.Hq = 6, c.Hk = 2;
