@@ -296,20 +296,29 @@ __device__ __forceinline__ bool fp8_power_of_two(const Fp8Divisor& d) { return d
 /// of the exact quotient (sign(x) ^ sign(scale)): a no-op for numbers (the conversion keeps
 /// it), and NaN keeps its sign for a positive scale, as ropepool::float_to_e4m3(x / scale) does
 /// on the host (the GPU returns one canonical NaN).
+///
+/// Per element, the product path multiplies twice (r, +-1, folded into p1 once per call: exact,
+/// p1 is a power of two); the signs come from the top bytes of x gathered by byte permutes and
+/// one xor and mask for all kN.
 template <int kN, bool kPow2 = false>
 __device__ __forceinline__ uint32_t e4m3_quotient(const float* x, const Fp8Divisor& d) {
   static_assert(kN == 1 || kN == 2 || kN == 4, "up to 4 bytes per word");
-  const uint32_t scale_sign = __float_as_uint(d.s);
-  uint32_t bytes = 0, signs = 0;
-  const auto quotient = [&](float v) { return kPow2 ? v * d.p1 * d.p2 * d.r : fp8_quotient(v, d); };
+  const float p1r = d.p1 * d.r;
+  const auto quotient = [&](float v) { return kPow2 ? v * p1r * d.p2 : fp8_quotient(v, d); };
+  uint32_t bytes = 0;
 #pragma unroll
   for (int i = 0; i < kN; i += 2) {
     const float lo = quotient(x[i]), hi = kN > 1 ? quotient(x[i + 1]) : 0.0f;
     bytes |= e4m3x2(lo, hi) << (8 * i);
   }
-#pragma unroll
-  for (int i = 0; i < kN; ++i) signs |= ((__float_as_uint(x[i]) ^ scale_sign) >> 31) << (8 * i + 7);
-  return (kN == 1 ? bytes & 0xffu : bytes) | signs;
+  // Byte i of `tops`: the top byte of x[i] (its sign at bit 7).
+  uint32_t tops = __float_as_uint(x[0]) >> 24;
+  if constexpr (kN >= 2) tops = __byte_perm(__float_as_uint(x[0]), __float_as_uint(x[1]), 0x0073);
+  if constexpr (kN == 4)
+    tops = __byte_perm(tops, __byte_perm(__float_as_uint(x[2]), __float_as_uint(x[3]), 0x0073), 0x5410);
+  constexpr uint32_t kSignBits = kN == 1 ? 0x80u : kN == 2 ? 0x8080u : 0x80808080u;
+  const uint32_t scale_signs = (__float_as_uint(d.s) >> 31) * kSignBits;
+  return (kN == 1 ? bytes & 0xffu : bytes) | ((tops ^ scale_signs) & kSignBits);
 }
 
 /// kVec e4m3fn elements moved as one access of kVec bytes (8 on the 16-bit vector paths, 4 on
