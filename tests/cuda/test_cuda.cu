@@ -926,6 +926,7 @@ struct PoolCase {
   /// LaunchConfig::head_kernel: 0 the planner's choice (1: the head kernel, -1: the token
   /// kernel); a case that sets one of the token kernel's shapes above runs the token kernel.
   int head_kernel = 0;
+  bool padded_heads = false;  ///< q, k and v with 16 bytes after each head (Layout::PaddedHeads)
   int expect_uncapped = -1; ///< 1 or 0: whether the plan must take the uncapped kernel; -1 any
   int expect_path = -1;     ///< a Path the plan must choose, or -1
   std::vector<int64_t> slots;  ///< empty: distinct random rows, some negative
@@ -959,6 +960,7 @@ struct PoolCase {
     if (no_k_rot) n += " no-k_rot";
     if (warps) n += " warps=" + std::to_string(warps);
     if (head_kernel) n += head_kernel > 0 ? " head-kernel" : " token-kernel";
+    if (padded_heads) n += " padded-heads";
     if (claimed_pool_size) n += " pool_size=" + std::to_string(claimed_pool_size);
     return n;
   }
@@ -993,6 +995,7 @@ struct PoolRun {
     Case base;
     base.dtype = c.dtype, base.T = c.T, base.Hq = c.Hq, base.Hk = c.Hk, base.D = c.D, base.R = c.R;
     base.interleaved = c.interleaved, base.index64 = c.index64, base.pool = P;
+    if (c.padded_heads) base.layout = Layout::PaddedHeads;
     pr = std::make_unique<Problem>(base, rng, c.slots.empty() ? nullptr : &c.slots);
     if (c.specials) add_specials();
     if (c.norm) add_norm(rng);
@@ -1823,6 +1826,7 @@ void test_norm_caches(Rng& rng) {
             c.index64 = ps == 64;
             c.fp8_pool = fp8_pool, c.k_scale = 0.5f, c.v_scale = 0.11f;
             c.fp8_q = fp8_q, c.q_scale = 0.05f, c.scale_ptrs = cache == Cache::HND;
+            c.padded_heads = fp8_pool && !fp8_q;
             run_pool_case(c, rng, "norm");
           }
   if (!g_sanitize) {
@@ -2240,6 +2244,7 @@ void test_head_kernel(Rng& rng) {
             const bool pow2 = pick % 2 == 0;
             c.k_scale = pow2 ? 0.25f : 0.0375f, c.v_scale = pow2 ? 1.0f : 0.3f, c.q_scale = pow2 ? 0.5f : 0.07f;
             c.scale_ptrs = T != 5, c.specials = fp8 != 0 && T == 37, c.index64 = T == 5;
+            c.padded_heads = pick % 5 == 2;
             c.kernel = pick % 4 == 1 ? Kernel::TwoWarps : Kernel::Auto;
             if (pick % 4 == 2) c.warps = 4;
             if (pick % 4 == 3) c.warps = 8;  // a token over two CTAs of 8 and 6 warps (32 q heads)
