@@ -130,8 +130,8 @@ struct Problem {
     params.rotary_dim = c.R;
     params.interleaved = c.interleaved;
 
-    // q, k, v: one buffer. Fused: rows of [Hq + 2 Hk, D]; else three blocks. Misaligned:
-    // everything one element off a 16-byte boundary.
+    // q, k, v: one buffer. Fused: rows of [Hq + 2 Hk, D] (padded heads: a head every hs
+    // elements); else three blocks. Misaligned: everything one element off a 16-byte boundary.
     const int64_t off = c.layout == Layout::Misaligned ? 1 : 0;
     const int64_t hs = c.layout == Layout::PaddedHeads ? D + int64_t(16 / es) : D;  // head stride
     const int64_t row = (Hq + 2 * Hk) * hs;
