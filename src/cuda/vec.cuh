@@ -297,9 +297,9 @@ __device__ __forceinline__ bool fp8_power_of_two(const Fp8Divisor& d) { return d
 /// it), and NaN keeps its sign for a positive scale, as ropepool::float_to_e4m3(x / scale) does
 /// on the host (the GPU returns one canonical NaN).
 ///
-/// Per element, the product path multiplies twice (r, +-1, folded into p1 once per call: exact,
-/// p1 is a power of two); the signs come from the top bytes of x gathered by byte permutes and
-/// one xor and mask for all kN.
+/// Per element, the product path multiplies twice (r, +-1, is folded into p1 before the
+/// elements' products: exact, p1 is a power of two); the signs come from the top bytes of x
+/// gathered by byte permutes and one xor and mask for all kN.
 template <int kN, bool kPow2 = false>
 __device__ __forceinline__ uint32_t e4m3_quotient(const float* x, const Fp8Divisor& d) {
   static_assert(kN == 1 || kN == 2 || kN == 4, "up to 4 bytes per word");
