@@ -1,7 +1,7 @@
 // Hooks the library exports for its own tests and benchmarks (tests/cpu, tests/cuda,
 // bench/cuda), and nothing else: not part of the public API (include/ropepool/). They
 // reach one level below rope_pool_fused: the kernel-facing problem, the CPU store and
-// threading thresholds, the vector float conversions, the CUDA launch shape.
+// threading thresholds and norm path, the vector float conversions, the CUDA launch shape.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +33,13 @@ void promote_row_hwy(DType dtype, const void* in, float* out, int64_t n);
 void quantize_e4m3_row_hwy(const float* in, uint8_t* out, int64_t n, float scale);
 /// The same for a bfloat16 row (the kernels' path for v rows of bfloat16 inputs).
 void quantize_e4m3_bf16_row_hwy(const uint16_t* in, uint8_t* out, int64_t n, float scale);
+/// How the bfloat16 kernel normalises a half-split head of whole (even, odd) chunks with
+/// rotary_dim = head_dim (SPEC §7): kFused (the default) in registers inside the rotation,
+/// kScratch in a pass of its own through a scratch row that the rotation reads. The same bits
+/// either way (tests/cpu compare them).
+enum class NormRows : int { kFused = 0, kScratch = 1 };
+void set_norm_rows(NormRows rows);
+NormRows norm_rows();
 /// The Highway target the CPU kernel dispatches to now, e.g. "AVX3".
 const char* hwy_target_name();
 

@@ -43,6 +43,8 @@ struct CallPlan {
   /// Non-temporal stores for q_out/k_out/pool rows: large calls whose outputs cannot stay in
   /// cache anyway, where skipping the read-for-ownership saves a third of the write traffic.
   bool stream_stores = false;
+  /// How bfloat16 heads are normalised (SPEC §7): set_norm_rows, for tests.
+  NormRows norm_rows = NormRows::kFused;
 };
 
 /// One flag per token (rope_pool_cpu.cpp): 1 when a later token of the call names the same

@@ -344,14 +344,24 @@ HWY_INLINE void StoreU16(hn::Vec<DU16Full> bits, uint16_t* p, bool stream) {
 
 // The 2N half-split pairs of a bfloat16 head at i, rotated with the table in (even, odd) order:
 // the first halves' results (lo) and the second halves' (hi), as (even, odd) float vectors.
+// `prepare(v, at)` transforms each loaded vector first (`at`: the element index of its chunk
+// half: i, i + N, half + i, half + i + N): the identity, or SPEC §7's norm (NormChunk).
+struct AsLoaded {
+  VF operator()(VF v, int64_t /*at*/) const { return v; }
+};
+template <class Prepare>
 HWY_INLINE void RotateChunkBF16(const uint16_t* x, int64_t half, int64_t i, const float* HWY_RESTRICT cos_t,
-                                const float* HWY_RESTRICT sin_t, VF& lo_even, VF& lo_odd, VF& hi_even,
-                                VF& hi_odd) {
+                                const float* HWY_RESTRICT sin_t, const Prepare& prepare, VF& lo_even,
+                                VF& lo_odd, VF& hi_even, VF& hi_odd) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   VF a_even, a_odd, b_even, b_odd;
   LoadBF16EvenOdd(x + i, a_even, a_odd);
   LoadBF16EvenOdd(x + half + i, b_even, b_odd);
+  a_even = prepare(a_even, i);
+  a_odd = prepare(a_odd, i + N);
+  b_even = prepare(b_even, half + i);
+  b_odd = prepare(b_odd, half + i + N);
   const VF c_even = hn::LoadU(df, cos_t + i), c_odd = hn::LoadU(df, cos_t + i + N);
   const VF s_even = hn::LoadU(df, sin_t + i), s_odd = hn::LoadU(df, sin_t + i + N);
   lo_even = hn::MulSub(a_even, c_even, hn::Mul(b_even, s_even));
@@ -361,10 +371,13 @@ HWY_INLINE void RotateChunkBF16(const uint16_t* x, int64_t half, int64_t i, cons
 }
 
 // bfloat16, half-split pairs, with the table in (even, odd) order per chunk of 2N pairs (see
-// the file comment); the pairs past the last whole chunk take the generic path.
+// the file comment); the pairs past the last whole chunk take the generic path, which has no
+// `prepare` (callers that prepare have whole chunks and rotary_dim = head_dim).
+template <class Prepare = AsLoaded>
 HWY_INLINE void RotateRowBF16(const uint16_t* x, uint16_t* out, uint16_t* out2,
                               const float* HWY_RESTRICT cos_t, const float* HWY_RESTRICT sin_t,
-                              int64_t rotary_dim, int64_t head_dim, bool stream) {
+                              int64_t rotary_dim, int64_t head_dim, bool stream,
+                              const Prepare& prepare = {}) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const int64_t half = rotary_dim / 2;
@@ -374,7 +387,7 @@ HWY_INLINE void RotateRowBF16(const uint16_t* x, uint16_t* out, uint16_t* out2,
   int64_t i = 0;
   for (; i + 2 * N <= half; i += 2 * N) {
     VF lo_even, lo_odd, hi_even, hi_odd;
-    RotateChunkBF16(x, half, i, cos_t, sin_t, lo_even, lo_odd, hi_even, hi_odd);
+    RotateChunkBF16(x, half, i, cos_t, sin_t, prepare, lo_even, lo_odd, hi_even, hi_odd);
     const auto lo = PackBF16EvenOdd(lo_even, lo_odd), hi = PackBF16EvenOdd(hi_even, hi_odd);
     StoreU16(lo, out + i, stream_here);
     StoreU16(hi, out + half + i, stream_here);
@@ -1072,10 +1085,13 @@ HWY_INLINE void QuantizeRowBF16(const uint16_t* in, uint8_t* out, int64_t n, Div
 // the k pool row or the fp8 q_rot row; null: no slot). No float32 row in between; the
 // pass-through elements are copied and quantised as read. `stream`: non-temporal stores for
 // both rows where they are vector-aligned.
+// `prepare`: as RotateRowBF16's.
+template <class Prepare = AsLoaded>
 HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t* pool,
                                       const float* HWY_RESTRICT cos_t,
                                       const float* HWY_RESTRICT sin_t, int64_t rotary_dim,
-                                      int64_t head_dim, bool stream, Divisor d) {
+                                      int64_t head_dim, bool stream, Divisor d,
+                                      const Prepare& prepare = {}) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const int64_t half = rotary_dim / 2;
@@ -1088,7 +1104,7 @@ HWY_INLINE void RotateRowBF16WithE4M3(const uint16_t* x, uint16_t* out, uint8_t*
   // [half + i, half + i + 2N) returned.
   auto chunk = [&](int64_t i, EvenOddCodes& lo_codes, EvenOddCodes& hi_codes) __attribute__((always_inline)) {
     VF lo_even, lo_odd, hi_even, hi_odd;
-    RotateChunkBF16(x, half, i, cos_t, sin_t, lo_even, lo_odd, hi_even, hi_odd);
+    RotateChunkBF16(x, half, i, cos_t, sin_t, prepare, lo_even, lo_odd, hi_even, hi_odd);
     if (out) {
       StoreU16(PackBF16EvenOdd(lo_even, lo_odd), out + i, stream_here);
       StoreU16(PackBF16EvenOdd(hi_even, hi_odd), out + half + i, stream_here);
@@ -1238,6 +1254,27 @@ HWY_INLINE void NormApplyBF16(const uint16_t* x, uint16_t* y, const float* HWY_R
 }
 #endif
 
+#if HWY_TARGET != HWY_SCALAR
+// SPEC §7 inside RotateRowBF16 (its `prepare`), for a half-split head of whole (even, odd)
+// chunks with R = D: each loaded vector normalised in registers, the values NormApplyBF16
+// writes to its scratch row for RotateRowBF16 to read back, without the pack, store and
+// reload between them. kGemma: y = round(x * r * w) with w already 1 + weight; else ("rms")
+// y = round(w * round(x * r)). `w` is in (even, odd) order per chunk, as NormApplyBF16's.
+template <bool kGemma>
+struct NormChunk {
+  VF r;
+  const float* w;
+  VF operator()(VF x, int64_t at) const {
+    const DF df;
+    const hn::RebindToUnsigned<DF> du32;
+    VF n = hn::Mul(x, r);
+    if constexpr (!kGemma) n = hn::BitCast(df, hn::And(RoundToBF16High(n), hn::Set(du32, 0xffff0000u)));
+    n = hn::Mul(n, hn::LoadU(df, w + at));
+    return hn::BitCast(df, hn::And(RoundToBF16High(n), hn::Set(du32, 0xffff0000u)));
+  }
+};
+#endif  // HWY_TARGET != HWY_SCALAR
+
 template <class E, bool kQuant>
 void RunBlockT(const CallPlan& plan, const Block& block) {
   using T = typename E::T;
@@ -1289,6 +1326,11 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
   thread_local std::vector<T> normed;
   thread_local std::vector<float> norm_r;  // per head of the block: sum of squares, then r
   const bool q_norm = p.q_norm_weight != nullptr, k_norm = p.k_norm_weight != nullptr;
+  // bfloat16 half-split heads of whole chunks with R = D are normalised inside the rotation
+  // (RotateRowBF16 with NormChunk); the other heads through the scratch row.
+  const bool norm_fused = (q_norm || k_norm) && kBF16 && !p.interleaved && R == D &&
+                          (D / 2) % (2 * static_cast<int64_t>(hn::Lanes(DF()))) == 0 &&
+                          plan.norm_rows == NormRows::kFused;
   if (q_norm || k_norm) {
     norm_w.resize(size_t(2 * D));
     normed.resize(size_t(D));
@@ -1526,6 +1568,28 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
       NormApply<E>(x, normed.data(), norm_w.data() + which * D, r, D, p.norm_gemma);
       return normed.data();
     };
+    // A head normalised in registers as it is rotated (norm_fused), into out and out2 (may be
+    // null), or with `codes` into out (may be null) and the e4m3 row `codes` (may be null:
+    // no pool row) as rotate_e4m3 would.
+    [[maybe_unused]] auto norm_rotate = [&](const T* x, int which, int64_t h, T* out, T* out2,
+                                            uint8_t* codes = nullptr, const Divisor* d = nullptr)
+                                            __attribute__((always_inline)) {
+#if HWY_TARGET != HWY_SCALAR
+      if constexpr (kBF16) {
+        const float* w = norm_w.data() + which * D;
+        const VF r = hn::Set(DF(), norm_r[size_t(h - block.head_begin)]);
+        auto with = [&](const auto& prepare) __attribute__((always_inline)) {
+          if (d != nullptr)
+            RotateRowBF16WithE4M3(x, out, codes, cos_t, sin_t, R, D, stream, *d, prepare);
+          else
+            RotateRowBF16(x, out, out2, cos_t, sin_t, R, D, stream, prepare);
+        };
+        if (p.norm_gemma) with(NormChunk<true>{r, w});
+        else with(NormChunk<false>{r, w});
+      }
+#endif
+      (void)x, (void)which, (void)h, (void)out, (void)out2, (void)codes, (void)d;
+    };
     int64_t page, page_row;
     page_of(slot, page, page_row);
     for (int64_t h = block.head_begin; h < block.head_end; ++h) {
@@ -1540,10 +1604,15 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
         }
       }
       if (h < Hq) {
-        const T* x = q_norm ? norm(row(p.q, t, h), 0, h) : row(p.q, t, h);
+        const bool in_rotation = q_norm && norm_fused;  // normalised by norm_rotate
+        const T* x = q_norm && !in_rotation ? norm(row(p.q, t, h), 0, h) : row(p.q, t, h);
         if (kQuant && fp8_q) {
-          rotate_e4m3(x, nullptr, reinterpret_cast<uint8_t*>(q_out_row(t, h)), q_div, fused_q);
-        } else
+          uint8_t* const codes = reinterpret_cast<uint8_t*>(q_out_row(t, h));
+          if (in_rotation) norm_rotate(x, 0, h, nullptr, nullptr, codes, &q_div);
+          else rotate_e4m3(x, nullptr, codes, q_div, fused_q);
+        } else if (in_rotation)
+          norm_rotate(x, 0, h, row(p.q_out, t, h), nullptr);
+        else
           rotate(x, row(p.q_out, t, h), nullptr);
         continue;
       }
@@ -1552,7 +1621,8 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
       // pool row the head has nothing to write.
       T* const k_rot = k_rot_written ? row(p.k_out, t, kv) : nullptr;
       if (!k_rot && slot < 0) continue;
-      const T* x = k_norm ? norm(row(p.k, t, kv), 1, h) : row(p.k, t, kv);
+      const bool in_rotation = k_norm && norm_fused;  // normalised by norm_rotate
+      const T* x = k_norm && !in_rotation ? norm(row(p.k, t, kv), 1, h) : row(p.k, t, kv);
       if (kQuant && fp8_pool) {
         uint8_t* k_dst = nullptr;
         uint8_t* v_dst = nullptr;
@@ -1560,13 +1630,17 @@ void RunBlockT(const CallPlan& plan, const Block& block) {
           k_dst = reinterpret_cast<uint8_t*>(PoolRow(p.k_pool, page, page_row, kv, 1));
           v_dst = reinterpret_cast<uint8_t*>(PoolRow(p.v_pool, page, page_row, kv, 1));
         }
-        rotate_e4m3(x, k_rot, k_dst, k_div, fused_k);
+        if (in_rotation) norm_rotate(x, 1, h, k_rot, nullptr, k_dst, &k_div);
+        else rotate_e4m3(x, k_rot, k_dst, k_div, fused_k);
         if (v_dst) QuantizeInputRow<E>(row(p.v, t, kv), v_dst, D, v_div, stream);
         continue;
       }
       T* const k_dst = slot >= 0 ? pool_row(p.k_pool, page, page_row, kv) : nullptr;
       // without k_rot the pool row is the rotation's first output
-      rotate(x, k_rot ? k_rot : k_dst, k_rot ? k_dst : nullptr);
+      if (in_rotation)
+        norm_rotate(x, 1, h, k_rot ? k_rot : k_dst, k_rot ? k_dst : nullptr);
+      else
+        rotate(x, k_rot ? k_rot : k_dst, k_rot ? k_dst : nullptr);
       if (slot >= 0)
         CopyBytes(pool_row(p.v_pool, page, page_row, kv), row(p.v, t, kv), size_t(D) * sizeof(T),
                   stream);

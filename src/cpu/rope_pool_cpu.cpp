@@ -27,6 +27,8 @@ std::atomic<int64_t> g_parallel_min_bytes{kParallelMinBytes};
 constexpr int64_t kStreamMinBytes = 16 << 20;
 std::atomic<int64_t> g_stream_min_bytes{kStreamMinBytes};
 
+std::atomic<NormRows> g_norm_rows{NormRows::kFused};
+
 }  // namespace
 
 // With several threads, tokens that share a slot may be processed concurrently. Mark every
@@ -84,6 +86,8 @@ void set_parallel_min_bytes(int64_t bytes) {
   g_parallel_min_bytes.store(std::max<int64_t>(1, bytes), std::memory_order_relaxed);
 }
 int64_t parallel_min_bytes() { return g_parallel_min_bytes.load(std::memory_order_relaxed); }
+void set_norm_rows(NormRows rows) { g_norm_rows.store(rows, std::memory_order_relaxed); }
+NormRows norm_rows() { return g_norm_rows.load(std::memory_order_relaxed); }
 
 }  // namespace cpu
 
@@ -119,6 +123,7 @@ void rope_pool_cpu(const RopePoolProblem& p) {
   const int64_t bytes = T * p.head_dim *
                         ((es + q_out_es) * p.num_qo_heads + (3 * es + 2 * pool_es) * p.num_kv_heads);
   plan.stream_stores = stream_min_bytes() >= 0 && bytes >= stream_min_bytes();
+  plan.norm_rows = norm_rows();
   const int threads = int(std::clamp<int64_t>(bytes / parallel_min_bytes(), 1,
                                              std::max(1, cpu_num_threads())));
   if (threads == 1) {

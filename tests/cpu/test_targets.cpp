@@ -26,6 +26,13 @@
 //   CachesMatchReference    paged (NHD/HND, page sizes 1, 5, 16) and combined-cache pools,
 //                           fp8 pools and fp8 q_rot, 1-3 threads: the test kit's whole-call
 //                           contract.
+//   NormRowsAgree           SPEC §7 on bfloat16 half-split heads: the norm inside the
+//                           rotation (the default) and through a scratch row write the same
+//                           bytes, "rms" (bfloat16 and float32 weights) and "gemma", with and
+//                           without k_rot, pools and q_rot in bf16 or fp8, on values of every
+//                           magnitude class (subnormal, huge, zero and non-finite heads, zero
+//                           and extreme weights); on ordinary values in bf16 also the test
+//                           kit's whole-call contract.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "test_targets.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -704,6 +711,99 @@ void caches_match_reference(const char* target) {
   }
 }
 
+// SPEC §7: the two ways the bfloat16 kernel normalises a half-split head (detail::cpu::NormRows)
+// give the same bytes in every buffer. R = D with R/2 a whole number of (even, odd) chunks on
+// every target (the fused way), and one head size where it is not (both take the scratch row).
+void norm_rows_agree(const char* target) {
+  using detail::cpu::NormRows;
+  ASSERT_STREQ(detail::cpu::hwy_target_name(), target);
+  Rng rng(fresh_seed());
+  SCOPED_TRACE("seed " + std::to_string(rng.seed()) + " (replay: ROPEPOOL_TEST_SEED)");
+  std::normal_distribution<float> normal(0.f, 1.f);
+  auto pow2 = [&](int lo, int hi) { return std::ldexp(1.0f, int(rng.integer(lo, hi))); };
+  for (const int64_t D : {64, 128, 256, 80})
+    for (int style = 0; style < 3; ++style)  // "rms" bf16 weights, "rms" float32 weights, "gemma"
+      for (const bool extreme : {false, true})
+        for (const bool k_rot : {true, false})
+        for (const bool fp8 : {false, true}) {  // fp8 pools and q_rot (SPEC §6)
+          SCOPED_TRACE("D " + std::to_string(D) + ", style " + std::to_string(style) +
+                       (extreme ? ", extreme values" : "") + (k_rot ? "" : ", no k_rot") +
+                       (fp8 ? ", fp8 pools and q_rot" : ""));
+          Shape s;
+          s.dtype = DType::BFloat16;
+          s.num_tokens = 29;
+          s.num_qo_heads = 3;
+          s.num_kv_heads = 2;
+          s.head_dim = D;
+          s.pool_size = 40;
+          if (fp8) {
+            s.pool_dtype = s.q_out_dtype = DType::Float8E4M3FN;
+            s.k_scale = 0.02, s.v_scale = 0.7, s.q_scale = 0.015625;
+          }
+          Case c(s);
+          c.randomize(rng, 0.1);
+          for (const TensorView* x : {&c.tensors.q, &c.tensors.k})
+            for (int64_t t = 0; t < s.num_tokens; ++t)
+              for (int64_t h = 0; h < x->shape[1]; ++h) {
+                // extreme: a head scaled into bfloat16's subnormals, near its overflow, all
+                // zeros, with NaN/Inf, or spread over every binade
+                const int kind = extreme ? int(rng.integer(0, 4)) : -1;
+                const float head_scale = kind == 0 ? pow2(-140, -126) : kind == 1 ? pow2(100, 125) : 1.0f;
+                for (int64_t d = 0; d < D; ++d) {
+                  float v = normal(rng) * 3 * head_scale;
+                  if (kind == 2) v = rng.chance(0.5) ? 0.0f : -0.0f;
+                  if (kind == 3 && rng.integer(0, 15) == 0) v = rng.chance(0.3) ? NAN : (rng.chance(0.5) ? INFINITY : -INFINITY);
+                  if (kind == 4) v *= pow2(-135, 120);
+                  store(*x, t, h, d, v);
+                }
+              }
+          const bool gemma = style == 2;
+          const DType wt = style == 0 ? DType::BFloat16 : DType::Float32;
+          std::vector<float> w32(size_t(2 * D));
+          std::vector<uint16_t> w16(size_t(2 * D));
+          for (int64_t d = 0; d < 2 * D; ++d) {
+            float w = (gemma ? 0.f : 1.f) + 0.4f * normal(rng);
+            if (extreme && rng.integer(0, 15) == 0) w = rng.chance(0.3) ? 0.0f : w * pow2(-130, 100);
+            w32[size_t(d)] = w;
+            w16[size_t(d)] = float_to_bf16(w);
+          }
+          void* base = wt == DType::Float32 ? static_cast<void*>(w32.data()) : w16.data();
+          const size_t es = dtype_size(wt);
+          c.params.q_norm_weight = TensorView::contiguous(base, wt, {D});
+          c.params.k_norm_weight = TensorView::contiguous(static_cast<char*>(base) + D * es, wt, {D});
+          c.params.norm_eps = gemma ? 1e-6 : 1e-5;
+          if (gemma) c.params.norm_style = "gemma";
+          if (!k_rot) c.tensors.k_out = TensorView{};
+
+          const Snapshot before = c.snapshot();
+          ASSERT_NO_THROW(rope_pool_fused(c.tensors, c.params));  // the default: fused
+          // the kit's fp8 q_rot check knows no norm (tests/python/test_fusions.py checks the
+          // norm with fp8 outputs against transformers)
+          if (!extreme && !fp8)
+            for (const std::string& problem : check_call(c, before)) ADD_FAILURE() << problem;
+          const Snapshot fused = c.snapshot();
+          c.restore(before);
+          {
+            struct Restore {
+              ~Restore() { detail::cpu::set_norm_rows(NormRows::kFused); }
+            } restore;
+            detail::cpu::set_norm_rows(NormRows::kScratch);
+            ASSERT_NO_THROW(rope_pool_fused(c.tensors, c.params));
+          }
+          const Snapshot scratch = c.snapshot();
+          ASSERT_EQ(fused.bytes.size(), scratch.bytes.size());
+          for (size_t b = 0; b < fused.bytes.size(); ++b) {
+            const auto& x = fused.bytes[b];
+            const auto& y = scratch.bytes[b];
+            ASSERT_EQ(x.size(), y.size());
+            const auto at = std::mismatch(x.begin(), x.end(), y.begin());
+            EXPECT_TRUE(at.first == x.end())
+                << "buffer " << b << " differs at byte " << (at.first - x.begin()) << ": 0x" << std::hex
+                << int(*at.first) << " fused, 0x" << int(*at.second) << " through the scratch row";
+          }
+        }
+}
+
 }  // namespace
 }  // namespace ropepool::test
 
@@ -719,6 +819,7 @@ void E4M3OnEveryBoundary() { e4m3_on_every_boundary(hwy::TargetName(HWY_TARGET))
 void CachesMatchReference() { caches_match_reference(hwy::TargetName(HWY_TARGET)); }
 void Fp8RowsAreTheRotation() { fp8_rows_are_the_rotation(hwy::TargetName(HWY_TARGET)); }
 void MlaFp8KIsTheRotation() { mla_fp8_k_is_the_rotation(hwy::TargetName(HWY_TARGET)); }
+void NormRowsAgree() { norm_rows_agree(hwy::TargetName(HWY_TARGET)); }
 
 }  // namespace ropepool::test::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
@@ -733,6 +834,7 @@ HWY_EXPORT_AND_TEST_P(CpuTarget, E4M3OnEveryBoundary);
 HWY_EXPORT_AND_TEST_P(CpuTarget, CachesMatchReference);
 HWY_EXPORT_AND_TEST_P(CpuTarget, Fp8RowsAreTheRotation);
 HWY_EXPORT_AND_TEST_P(CpuTarget, MlaFp8KIsTheRotation);
+HWY_EXPORT_AND_TEST_P(CpuTarget, NormRowsAgree);
 
 class CpuTargetShard : public hwy::TestWithParamTargetAndT<int> {};
 HWY_TARGET_INSTANTIATE_TEST_SUITE_P_T(CpuTargetShard, ::testing::Range(0, kDemoteShards));
