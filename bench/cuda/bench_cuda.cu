@@ -26,7 +26,8 @@
 // --mla    also mla_rope_pool_fused (SPEC §8) on bench/gpu_bench_mla.py's inputs (DeepSeek-V3,
 //          H = 128 and 16, bf16 and fp8 token caches) through the public C++ call, and at
 //          T <= 256 with CTAs of 1 to 4 warps forced and with 2, 4 and 8 q units per lane
-//          forced, in the same run.
+//          forced, in the same run; from T = 1024 beside a cold device-to-device copy of the
+//          call's own bytes, back-to-back and alone (the ceiling at that size).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -696,10 +697,34 @@ struct MlaWorkload {
   }
 };
 
+/// The copy ceiling at a call's own size: device-to-device copies that read and write `bytes`
+/// in all (bytes / 2 copied), each from and to its own slice of buffers over 4x the L2, so that
+/// like the op's inputs every copy starts cold. What a kernel moving that many bytes at copy
+/// speed would take, its launch and ramp included, against the 1 GiB copy of copy_bandwidth.
+struct SizedCopy {
+  size_t n;
+  int64_t sets;
+  std::unique_ptr<DeviceBuffer> src, dst;
+  explicit SizedCopy(double bytes) : n(size_t(bytes / 2) / 256 * 256) {
+    cudaDeviceProp prop{};
+    ROPEPOOL_CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+    sets = std::max<int64_t>(2, int64_t(std::ceil(4.0 * prop.l2CacheSize / double(n))));
+    src = std::make_unique<DeviceBuffer>(n * size_t(sets));
+    dst = std::make_unique<DeviceBuffer>(n * size_t(sets));
+    ROPEPOOL_CUDA_OK(cudaMemset(src->ptr, 1, n * size_t(sets)));
+  }
+  void call(int64_t i, cudaStream_t s) const {
+    const size_t off = size_t(i % sets) * n;
+    ROPEPOOL_CUDA_OK(cudaMemcpyAsync(dst->bytes_at(off), src->bytes_at(off), n, cudaMemcpyDeviceToDevice, s));
+  }
+};
+
 /// mla_rope_pool_fused at each T (DeepSeek-V3, H = 128 and 16, bf16 and fp8 caches):
 /// back-to-back, alone between the events (T <= 256) and in graphs (T <= 256), in the
 /// launcher's shape; at T <= 256 also with CTAs of 1 to 4 warps forced, and with q items of
-/// 2, 4 and 8 units per lane forced (uU) in CTAs of 1, 2 and 4 warps, in the same run.
+/// 2, 4 and 8 units per lane forced (uU) in CTAs of 1, 2 and 4 warps, in the same run. From
+/// T = 1024, the alone time too and a cold copy of the call's bytes (SizedCopy) back-to-back
+/// and alone: the ceiling at the call's own size.
 void bench_mla(const std::vector<int64_t>& tokens, Rng& rng) {
   cudaStream_t s;
   ROPEPOOL_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -709,7 +734,8 @@ void bench_mla(const std::vector<int64_t>& tokens, Rng& rng) {
               copy / 1e9, empty_single_us(s));
   std::printf("%8s %4s %6s %10s %7s %10s %10s  %s\n", "T", "H", "cache", "us/call", "%copy", "alone us", "graph us",
               "us/call: back-to-back; alone: one call between the events; Ww: CTAs of W warps forced, uU: U q units per lane forced: "
-              "us/call | alone us | graph us");
+              "us/call | alone us | graph us; T >= 1024: a cold copy of the same bytes, us back-to-back | alone, "
+              "and the call's share of it");
   g_json += ", \"mla\": [";
   bool first_row = true;
   for (int64_t T : tokens)
@@ -718,9 +744,18 @@ void bench_mla(const std::vector<int64_t>& tokens, Rng& rng) {
         MlaWorkload w(T, H, fp8, rng);
         auto call = [&](int64_t i) { w.call(i, s); };
         const double t = stream_median(s, call, 60, 20);
-        const double ta = T <= 256 ? stream_median(s, call, 60, 1) : 0;
+        const double ta = stream_median(s, call, 60, 1);
         const double tg = T <= 256 ? graph_median(s, call, w.n_sets) : 0;
         std::string forced;
+        if (T >= 1024) {
+          const SizedCopy c(w.bytes());
+          auto copy_call = [&](int64_t i) { c.call(i, s); };
+          const double cb = stream_median(s, copy_call, 60, 20), ca = stream_median(s, copy_call, 60, 1);
+          char b[160];
+          std::snprintf(b, sizeof b, "same-bytes copy %.2f | %.2f us (%.1f%% | %.1f%% of copy): call %.2f | %.2f of it",
+                        cb * 1e6, ca * 1e6, 100 * w.bytes() / cb / copy, 100 * w.bytes() / ca / copy, cb / t, ca / ta);
+          forced = b;
+        }
         for (int units : {0, 2, 4, 8})
           for (int warps = 1; warps <= 4 && T <= 256; ++warps) {
             if (units > 0 && warps == 3) continue;
