@@ -1266,11 +1266,9 @@ struct NormChunk {
   const float* w;
   VF operator()(VF x, int64_t at) const {
     const DF df;
-    const hn::RebindToUnsigned<DF> du32;
     VF n = hn::Mul(x, r);
-    if constexpr (!kGemma) n = hn::BitCast(df, hn::And(RoundToBF16High(n), hn::Set(du32, 0xffff0000u)));
-    n = hn::Mul(n, hn::LoadU(df, w + at));
-    return hn::BitCast(df, hn::And(RoundToBF16High(n), hn::Set(du32, 0xffff0000u)));
+    if constexpr (!kGemma) n = RoundTo<BFloat16>(df, n);
+    return RoundTo<BFloat16>(df, hn::Mul(n, hn::LoadU(df, w + at)));
   }
 };
 #endif  // HWY_TARGET != HWY_SCALAR

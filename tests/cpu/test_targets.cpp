@@ -713,7 +713,8 @@ void caches_match_reference(const char* target) {
 
 // SPEC §7: the two ways the bfloat16 kernel normalises a half-split head (detail::cpu::NormRows)
 // give the same bytes in every buffer. R = D with R/2 a whole number of (even, odd) chunks on
-// every target (the fused way), and one head size where it is not (both take the scratch row).
+// every target (the fused way), and D = 80, whose R/2 = 40 is whole chunks only on the
+// 128-bit targets (elsewhere both ways take the scratch row).
 void norm_rows_agree(const char* target) {
   using detail::cpu::NormRows;
   ASSERT_STREQ(detail::cpu::hwy_target_name(), target);
