@@ -791,17 +791,8 @@ void norm_rows_agree(const char* target) {
             detail::cpu::set_norm_rows(NormRows::kScratch);
             ASSERT_NO_THROW(rope_pool_fused(c.tensors, c.params));
           }
-          const Snapshot scratch = c.snapshot();
-          ASSERT_EQ(fused.bytes.size(), scratch.bytes.size());
-          for (size_t b = 0; b < fused.bytes.size(); ++b) {
-            const auto& x = fused.bytes[b];
-            const auto& y = scratch.bytes[b];
-            ASSERT_EQ(x.size(), y.size());
-            const auto at = std::mismatch(x.begin(), x.end(), y.begin());
-            EXPECT_TRUE(at.first == x.end())
-                << "buffer " << b << " differs at byte " << (at.first - x.begin()) << ": 0x" << std::hex
-                << int(*at.first) << " fused, 0x" << int(*at.second) << " through the scratch row";
-          }
+          for (const std::string& change : changes_since(c, fused))
+            ADD_FAILURE() << "through the scratch row, unlike fused: " << change;
         }
 }
 
