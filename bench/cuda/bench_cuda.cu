@@ -6,7 +6,8 @@
 // time of one public rope_pool_fused call at T = 1 (wall clock, no synchronisation); the
 // device-to-device copy as the ceiling.
 //
-//   ropepool_bench_cuda [--sweep] [--pools] [--mla] [--tokens T1,T2,..] [--json FILE]
+//   ropepool_bench_cuda [--sweep] [--pools] [--pool-filter S] [--mla] [--mla-shapes]
+//                       [--tokens T1,T2,..] [--json FILE]
 //
 // --sweep  also the same workload over launch shapes (warps per CTA), to tune the heuristic
 //          in src/cuda/rope_pool_cuda.cu.
@@ -23,11 +24,15 @@
 //          also timed alone: one call between the events after the spin, with no launch of
 //          its own before it to overlap with (the per-call mode of bench/gpu_bench.py), beside
 //          an empty kernel timed the same way.
+// --pool-filter S  only the cases of --pools whose name contains S (e.g. "qk-norm", "HND"),
+//          and the [P, Hk, D] bf16 pool they are compared with.
 // --mla    also mla_rope_pool_fused (SPEC §8) on bench/gpu_bench_mla.py's inputs (DeepSeek-V3,
 //          H = 128 and 16, bf16 and fp8 token caches) through the public C++ call, and at
 //          T <= 256 with CTAs of 1 to 4 warps forced and with 2, 4 and 8 q units per lane
 //          forced, in the same run; from T = 1024 beside a cold device-to-device copy of the
 //          call's own bytes, back-to-back and alone (the ceiling at that size).
+// --mla-shapes  the forced CTA shapes and q units of --mla at every T, not only T <= 256
+//          (back-to-back and alone; graphs only at T <= 256).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -491,7 +496,7 @@ double empty_single_us(cudaStream_t s) {
 /// The SPEC §6 caches at each T beside the [P, Hk, D] bf16 pool of the same run: per call on a
 /// plain stream (back-to-back), one call alone (T <= 256) and (T <= 256) per call in graphs;
 /// %copy by each case's own bytes.
-void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
+void bench_pools(const std::vector<int64_t>& tokens, Rng& rng, const std::string& filter) {
   cudaStream_t s;
   ROPEPOOL_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const double copy = copy_bandwidth(s);
@@ -525,6 +530,10 @@ void bench_pools(const std::vector<int64_t>& tokens, Rng& rng) {
   };
   specs.push_back(with_norm({}));
   specs.push_back(with_norm({PoolSpec::NHD, 16, true, false, false}));
+  if (!filter.empty())
+    specs.erase(std::remove_if(specs.begin() + 1, specs.end(),
+                               [&](const PoolSpec& spec) { return spec.name().find(filter) == std::string::npos; }),
+                specs.end());
   std::printf("\nSPEC 6 caches (bf16 q/k/v, Hq 32, Hk 8, D 128, 262144-slot caches; copy %.0f GB/s); "
               "one empty kernel alone between the events: %.2f us\n", copy / 1e9, empty_single_us(s));
   std::printf("%8s  %-40s %10s %9s %7s %10s %10s %10s  %s\n", "T", "cache", "us/call", "GB/s", "%copy", "alone us", "graph us",
@@ -725,7 +734,7 @@ struct SizedCopy {
 /// 2, 4 and 8 units per lane forced (uU) in CTAs of 1, 2 and 4 warps, in the same run. From
 /// T = 1024, the alone time too and a cold copy of the call's bytes (SizedCopy) back-to-back
 /// and alone: the ceiling at the call's own size.
-void bench_mla(const std::vector<int64_t>& tokens, Rng& rng) {
+void bench_mla(const std::vector<int64_t>& tokens, Rng& rng, bool all_shapes) {
   cudaStream_t s;
   ROPEPOOL_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const double copy = copy_bandwidth(s);
@@ -757,7 +766,7 @@ void bench_mla(const std::vector<int64_t>& tokens, Rng& rng) {
           forced = b;
         }
         for (int units : {0, 2, 4, 8})
-          for (int warps = 1; warps <= 4 && T <= 256; ++warps) {
+          for (int warps = 1; warps <= 4 && (T <= 256 || all_shapes); ++warps) {
             if (units > 0 && warps == 3) continue;
             detail::cuda_launch::set_mla_q_units_per_lane(units);
             detail::cuda_launch::set_mla_warps_per_cta(warps);
@@ -765,7 +774,7 @@ void bench_mla(const std::vector<int64_t>& tokens, Rng& rng) {
             if (units > 0) std::snprintf(u, sizeof u, "u%d ", units);
             std::snprintf(b, sizeof b, "%s%s%dw %.2f | %.2f | %.2f", forced.empty() ? "" : "; ", u, warps,
                           stream_median(s, call, 60, 20) * 1e6, stream_median(s, call, 60, 1) * 1e6,
-                          graph_median(s, call, w.n_sets) * 1e6);
+                          T <= 256 ? graph_median(s, call, w.n_sets) * 1e6 : 0.0);
             forced += b;
           }
         detail::cuda_launch::set_mla_q_units_per_lane(0);
@@ -789,14 +798,16 @@ void bench_mla(const std::vector<int64_t>& tokens, Rng& rng) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool sweep = false, pools = false, mla = false;
-  std::string json;
+  bool sweep = false, pools = false, mla = false, mla_shapes = false;
+  std::string json, pool_filter;
   std::vector<int64_t> tokens = {1, 16, 64, 256, 1024, 4096, 16384, 65536};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--sweep") sweep = true;
     else if (a == "--pools") pools = true;
     else if (a == "--mla") mla = true;
+    else if (a == "--mla-shapes") mla = mla_shapes = true;
+    else if (a == "--pool-filter" && i + 1 < argc) pools = true, pool_filter = argv[++i];
     else if (a == "--bench") continue;  // the default (what the old driver needed)
     else if (a == "--json" && i + 1 < argc) json = argv[++i];
     else if (a == "--tokens" && i + 1 < argc) {
@@ -804,15 +815,18 @@ int main(int argc, char** argv) {
       std::stringstream list(argv[++i]);
       for (std::string t; std::getline(list, t, ',');) tokens.push_back(std::stoll(t));
     } else {
-      std::fprintf(stderr, "usage: %s [--sweep] [--pools] [--mla] [--tokens T1,T2,..] [--json FILE]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--sweep] [--pools] [--pool-filter S] [--mla] [--mla-shapes] [--tokens T1,T2,..] "
+                   "[--json FILE]\n",
+                   argv[0]);
       return 2;
     }
   }
   print_device();
   Rng rng(fresh_seed());
   bench(sweep, tokens, rng);
-  if (pools) bench_pools(tokens, rng);
-  if (mla) bench_mla(tokens, rng);
+  if (pools) bench_pools(tokens, rng, pool_filter);
+  if (mla) bench_mla(tokens, rng, mla_shapes);
   g_json += "}";
   if (!json.empty()) std::ofstream(json) << (g_json.empty() ? "{}" : g_json) << "\n";
   return 0;
