@@ -24,15 +24,16 @@
 //                           and its k_pe_rot; without k_pe_rot (return_k_rot=False) the
 //                           same bytes.
 //   CachesMatchReference    paged (NHD/HND, page sizes 1, 5, 16) and combined-cache pools,
-//                           fp8 pools and fp8 q_rot, 1-3 threads: the test kit's whole-call
-//                           contract.
+//                           fp8 pools and fp8 q_rot, 1-3 threads, each also with SPEC §7's
+//                           QK norm with 1 ("rms") and 2 threads ("gemma"): the test kit's
+//                           whole-call contract.
 //   NormRowsAgree           SPEC §7 on bfloat16 half-split heads: the norm inside the
 //                           rotation (the default) and through a scratch row write the same
 //                           bytes, "rms" (bfloat16 and float32 weights) and "gemma", with and
 //                           without k_rot, pools and q_rot in bf16 or fp8, on values of every
 //                           magnitude class (subnormal, huge, zero and non-finite heads, zero
-//                           and extreme weights); on ordinary values in bf16 also the test
-//                           kit's whole-call contract.
+//                           and extreme weights); on ordinary values also the test kit's
+//                           whole-call contract.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "test_targets.cpp"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -672,7 +673,10 @@ void caches_match_reference(const char* target) {
     for (DType dt : {DType::Float32, DType::Float16, DType::BFloat16})
       for (KvLayout layout : {KvLayout::None, KvLayout::NHD, KvLayout::HND})
         for (int64_t page_size : {1, 5, 16})
-          for (int fp8 = 0; fp8 < 4; ++fp8) {  // bit 0: fp8 pools, bit 1: fp8 q_rot
+          for (int fp8 = 0; fp8 < 4; ++fp8)  // bit 0: fp8 pools, bit 1: fp8 q_rot
+          for (int norm = 0; norm <= (threads < 3 ? 1 : 0); ++norm) {
+            // SPEC §7's QK norm with every cache: "rms" (weights in q's dtype) with one
+            // thread, "gemma" (float32 weights) with two
             if (layout == KvLayout::None && page_size != 1) continue;
             Shape s;
             s.dtype = dt;
@@ -695,17 +699,32 @@ void caches_match_reference(const char* target) {
                              page_size == 16 ? PoolLayout::CombinedFlashInfer : PoolLayout::CombinedVllm,
                              lines ? OutLayout::Contiguous : OutLayout::Padded, IndexLayout::Strided});
             c.randomize(rng);
+            const bool gemma = threads == 2;
+            const DType wt = gemma ? DType::Float32 : dt;
+            std::vector<float> w32(size_t(2 * s.head_dim));
+            std::vector<uint16_t> w16(w32.size());
+            if (norm) {
+              std::normal_distribution<float> normal(0.f, 1.f);
+              for (size_t d = 0; d < w32.size(); ++d) {
+                w32[d] = (gemma ? 0.f : 1.f) + 0.4f * normal(rng);
+                w16[d] = dt == DType::Float16 ? float_to_half(w32[d]) : float_to_bf16(w32[d]);
+              }
+              char* base = wt == DType::Float32 ? reinterpret_cast<char*>(w32.data()) : reinterpret_cast<char*>(w16.data());
+              const int64_t es = int64_t(dtype_size(wt));
+              c.params.q_norm_weight = TensorView::contiguous(base, wt, {s.head_dim});
+              c.params.k_norm_weight = TensorView::contiguous(base + s.head_dim * es, wt, {s.head_dim});
+              if (gemma) c.params.norm_style = "gemma";
+            }
+            const std::string label = std::string(target) + " threads " + std::to_string(threads) + " " +
+                                      dtype_name(dt) + " " + kv_layout_name(layout) + " page_size " +
+                                      std::to_string(page_size) + " fp8 " + std::to_string(fp8) +
+                                      (norm ? (gemma ? " gemma" : " rms") : "");
             const Snapshot before = c.snapshot();
-            ASSERT_NO_THROW(rope_pool_fused(c.tensors, c.params));
-            for (const std::string& problem : check_call(c, before))
-              ADD_FAILURE() << target << " threads " << threads << " " << dtype_name(dt) << " "
-                            << kv_layout_name(layout) << " page_size " << page_size << " fp8 " << fp8
-                            << ": " << problem;
+            ASSERT_NO_THROW(rope_pool_fused(c.tensors, c.params)) << label;
+            for (const std::string& problem : check_call(c, before)) ADD_FAILURE() << label << ": " << problem;
             // SPEC §4 return_k_rot=False: the same call without k_rot writes the same bytes
             for (const std::string& problem : check_without_k_rot(c, before))
-              ADD_FAILURE() << target << " threads " << threads << " " << dtype_name(dt) << " "
-                            << kv_layout_name(layout) << " page_size " << page_size << " fp8 " << fp8
-                            << ": " << problem;
+              ADD_FAILURE() << label << ": " << problem;
             if (::testing::Test::HasFailure()) return;
           }
   }
@@ -778,9 +797,7 @@ void norm_rows_agree(const char* target) {
 
           const Snapshot before = c.snapshot();
           ASSERT_NO_THROW(rope_pool_fused(c.tensors, c.params));  // the default: fused
-          // the kit's fp8 q_rot check knows no norm (tests/python/test_fusions.py checks the
-          // norm with fp8 outputs against transformers)
-          if (!extreme && !fp8)
+          if (!extreme)
             for (const std::string& problem : check_call(c, before)) ADD_FAILURE() << problem;
           const Snapshot fused = c.snapshot();
           c.restore(before);

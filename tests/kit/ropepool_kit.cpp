@@ -631,6 +631,61 @@ std::string printed(double v) {
   return buf;
 }
 
+/// A [D] norm weight's values.
+std::vector<double> weight_values(const TensorView& wv) {
+  std::vector<double> w(size_t(wv.shape[0]));
+  for (int64_t d = 0; d < wv.shape[0]; ++d) {
+    TensorView one = wv;
+    one.data = static_cast<char*>(wv.data) + d * wv.strides[0] * int64_t(dtype_size(wv.dtype));
+    one.ndim = 3, one.shape[0] = one.shape[1] = one.shape[2] = 1;
+    w[size_t(d)] = load(one, 0, 0, 0);
+  }
+  return w;
+}
+
+/// SPEC §7: how far the op's normalised value may be from the float64 reference's y (in
+/// `dtype`, weight w): the one ulp a rounding midpoint allows.
+double norm_midpoint_ulp(DType dtype, double y, double w, bool gemma) {
+  y = std::abs(y), w = std::abs(w);
+  // float32: the float32 sum of squares (its order), mean and rsqrt, vs the float64
+  // reference, reach every element of the head through up to three roundings: relative 2^-20
+  if (dtype == DType::Float32) return std::ldexp(y, -20);
+  if (gemma) return reference::tolerance(dtype, y, 0);
+  if (w == 0) return 0;  // "rms": w * anything rounds to a zero
+  // "rms": the ulp of the normalised value, times w, then the second rounding. The two
+  // products round on either side of a power of two when they straddle one: one ulp at the
+  // larger one's magnitude (at most y + w ulp + half an ulp of y).
+  const double scaled = reference::tolerance(dtype, y / w, 0) * w;
+  return scaled + reference::tolerance(dtype, y + scaled + reference::tolerance(dtype, y, 0), 0);
+}
+
+/// Token t of x [T, H, D] rotated in float64 (row-major [H, D]); with a norm weight in `how`
+/// (SPEC §7) x normalised first (reference::normalize, rounded where §7 rounds), and `slack`
+/// per element: the norm's midpoint ulp of the element, and for a rotated element that of its
+/// pair's other input and the float32 rotation's 2^-18 (|a| + |b|). Without a norm, slack is
+/// all zeros.
+std::vector<double> exact_token(const TensorView& x, int64_t t, const TensorView& positions,
+                                const RopeSchedule& schedule, bool interleaved, const RotationCheck* how,
+                                std::vector<double>& slack) {
+  const TensorView xt = token_slice(x, t, 1), pt = token_slice(positions, t, 1);
+  const int64_t H = x.shape[1], D = x.shape[2], R = schedule.rotary_dim, half = R / 2;
+  slack.assign(size_t(H * D), 0.0);
+  if (how == nullptr || how->norm_weight == nullptr) return reference::rotate(xt, pt, schedule, interleaved);
+  const std::vector<double> y = reference::normalize(xt, *how->norm_weight, how->norm_eps, how->norm_gemma);
+  const std::vector<double> w = weight_values(*how->norm_weight);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t d = 0; d < D; ++d) {
+      auto mid = [&](int64_t e) { return norm_midpoint_ulp(x.dtype, y[size_t(h * D + e)], w[size_t(e)], how->norm_gemma); };
+      double sl = mid(d);
+      if (d < R) {
+        const int64_t other = interleaved ? (d ^ 1) : d < half ? d + half : d - half;
+        sl += mid(other) + std::ldexp(std::abs(y[size_t(h * D + d)]) + std::abs(y[size_t(h * D + other)]), -18);
+      }
+      slack[size_t(h * D + d)] = sl;
+    }
+  return reference::rotate(y, 1, H, D, pt, schedule, interleaved);
+}
+
 }  // namespace
 
 CheckStats check_rotation(const char* name, const TensorView& x, const TensorView& out,
@@ -657,32 +712,14 @@ CheckStats check_rotation(const char* name, const TensorView& x, const TensorVie
       std::vector<double> w;
       if (how.norm_weight) {
         normed = reference::normalize(xs, *how.norm_weight, how.norm_eps, how.norm_gemma);
-        w.resize(size_t(D));
-        for (int64_t d = 0; d < D; ++d) {
-          const TensorView& wv = *how.norm_weight;
-          TensorView one = wv;
-          one.data = static_cast<char*>(wv.data) + d * wv.strides[0] * int64_t(dtype_size(wv.dtype));
-          one.ndim = 3, one.shape[0] = one.shape[1] = one.shape[2] = 1;
-          w[size_t(d)] = load(one, 0, 0, 0);
-        }
+        w = weight_values(*how.norm_weight);
       }
       auto input = [&](int64_t t, int64_t h, int64_t d) {
         return how.norm_weight ? normed[size_t((t * H + h) * D + d)] : load(xs, t, h, d);
       };
       auto midpoint_ulp = [&](int64_t t, int64_t h, int64_t d) {
         if (!how.norm_weight) return 0.0;
-        const double y = std::abs(input(t, h, d));
-        // float32: the float32 sum of squares (its order), mean and rsqrt, vs the float64
-        // reference, reach every element of the head through up to three roundings:
-        // relative 2^-20 (SPEC §7)
-        if (x.dtype == DType::Float32) return std::ldexp(y, -20);
-        const double n_ulp = reference::tolerance(x.dtype, how.norm_gemma ? y : y / std::abs(w[size_t(d)]), 0);
-        if (how.norm_gemma) return n_ulp;
-        // "rms": the ulp of the normalised value, times w, then the second rounding. The two
-        // products round on either side of a power of two when they straddle one: one ulp at
-        // the larger one's magnitude (at most y + w ulp + half an ulp of y).
-        const double scaled = n_ulp * std::abs(w[size_t(d)]);
-        return scaled + reference::tolerance(x.dtype, y + scaled + reference::tolerance(x.dtype, y, 0), 0);
+        return norm_midpoint_ulp(x.dtype, input(t, h, d), w[size_t(d)], how.norm_gemma);
       };
       const std::vector<double> exact =
           how.norm_weight
@@ -746,32 +783,45 @@ CheckStats check_rotation(const char* name, const TensorView& x, const TensorVie
 
 namespace {
 uint8_t byte_at(const void* p) { return *static_cast<const uint8_t*>(p); }
+/// SPEC §6's e4m3 output `got` of the exact value e (float64) and a scale: a copied element
+/// (`rotated` false) is e4m3(float(e) / scale) bit for bit, a rotated one within one e4m3 step of
+/// e4m3(e / scale); NaN only where that is NaN. With a norm (SPEC §7) e may be off by `slack`
+/// either way, and each bound holds for some value in [e - slack, e + slack] (e4m3 rounding is
+/// monotonic, so the ends of the interval bound the codes).
+bool e4m3_within(uint8_t got, double e, double slack, float scale, bool rotated) {
+  const uint8_t lo = rotated ? float_to_e4m3(float((e - slack) / double(scale))) : float_to_e4m3(float(e - slack) / scale);
+  const uint8_t hi = rotated ? float_to_e4m3(float((e + slack) / double(scale))) : float_to_e4m3(float(e + slack) / scale);
+  if (!rotated && slack == 0) return got == lo;  // NaN's sign too
+  if (e4m3_is_nan(lo) || e4m3_is_nan(hi) || e4m3_is_nan(got))
+    return e4m3_is_nan(lo) && e4m3_is_nan(hi) && e4m3_is_nan(got);
+  const int step = rotated ? 1 : 0;
+  return e4m3_ordinal(got) >= e4m3_ordinal(lo) - step && e4m3_ordinal(got) <= e4m3_ordinal(hi) + step;
+}
+
 }  // namespace
 
 CheckStats check_quantized(const char* name, const TensorView& x, const TensorView& out,
                            const TensorView& positions, const RopeSchedule& schedule,
-                           bool interleaved, float scale) {
+                           bool interleaved, float scale, const RotationCheck* how) {
   const int64_t T = x.shape[0], H = x.shape[1], D = x.shape[2], R = schedule.rotary_dim;
   CheckStats stats;
+  std::vector<double> slack;
   for (int64_t t = 0; t < T; ++t) {
-    const std::vector<double> exact =
-        reference::rotate(token_slice(x, t, 1), token_slice(positions, t, 1), schedule, interleaved);
+    const std::vector<double> exact = exact_token(x, t, positions, schedule, interleaved, how, slack);
     for (int64_t h = 0; h < H; ++h)
       for (int64_t d = 0; d < D; ++d) {
         const double e = exact[size_t(h * D + d)];
         const uint8_t got = byte_at(element(out, t, h, d));
         const uint8_t want = d >= R ? float_to_e4m3(float(e) / scale) : float_to_e4m3(float(e / double(scale)));
-        bool ok;
-        if (d >= R) ok = got == want;
-        else if (e4m3_is_nan(want) || e4m3_is_nan(got)) ok = e4m3_is_nan(want) && e4m3_is_nan(got);
-        else ok = std::abs(e4m3_ordinal(got) - e4m3_ordinal(want)) <= 1;
+        const bool ok = e4m3_within(got, e, slack[size_t(h * D + d)], scale, d < R);
         ++stats.elements;
         if (!ok)
           stats.fail(t, [&] {
-            char buf[160];
-            std::snprintf(buf, sizeof buf, "%s[%lld, %lld, %lld] = e4m3 0x%02x (%g), want 0x%02x (%g) = e4m3(%.9g / %g)",
+            char buf[224];
+            std::snprintf(buf, sizeof buf, "%s[%lld, %lld, %lld] = e4m3 0x%02x (%g), want 0x%02x (%g) = e4m3(%.9g / %g)%s",
                           name, (long long)t, (long long)h, (long long)d, got, e4m3_to_float(got), want,
-                          e4m3_to_float(want), e, double(scale));
+                          e4m3_to_float(want), e, double(scale),
+                          slack[size_t(h * D + d)] > 0 ? (", the norm's slack " + printed(slack[size_t(h * D + d)])).c_str() : "");
             return std::string(buf);
           });
       }
@@ -860,11 +910,10 @@ std::vector<std::string> check_call(const Case& c, const Snapshot& before, int t
     if (out == &x.k_out && !k_rot) continue;
     const TensorView& w = in == &x.q ? c.params.q_norm_weight : c.params.k_norm_weight;
     how.norm_weight = w.data ? &w : nullptr;
-    // (fp8 q_rot is checked without a norm: no case combines them yet)
     const CheckStats s =
         out->dtype == DType::Float8E4M3FN
             ? check_quantized(name, *in, *out, x.positions, schedule, c.params.interleaved,
-                              reference::scale_value(c.params.q_scale))
+                              reference::scale_value(c.params.q_scale), &how)
             : check_rotation(name, *in, *out, x.positions, schedule, c.params.interleaved, how);
     for (const auto& f : s.first) problems.push_back(f.second);
     if (s.failures > int64_t(s.first.size()))
@@ -894,28 +943,20 @@ std::vector<std::string> check_call(const Case& c, const Snapshot& before, int t
           return false;
     return true;
   };
+  RotationCheck k_how = how;
+  k_how.norm_weight = c.params.k_norm_weight.data ? &c.params.k_norm_weight : nullptr;
   auto fp8_k_row_is = [&](int64_t s, int64_t t) {
-    const std::vector<double> exact =
-        reference::rotate(token_slice(x.k, t, 1), token_slice(x.positions, t, 1), schedule,
-                          c.params.interleaved);
+    std::vector<double> slack;
+    const std::vector<double> exact = exact_token(x.k, t, x.positions, schedule, c.params.interleaved, &k_how, slack);
     for (int64_t h = 0; h < Hk; ++h)
       for (int64_t d = 0; d < D; ++d) {
         const uint8_t got = byte_at(reference::pool_element(x.k_pool, kv_layout, s, h, d));
-        const double e = exact[size_t(h * D + d)];
-        if (d >= R) {  // copied: e4m3(x / scale) exactly
-          if (got != float_to_e4m3(float(e) / k_scale)) return false;
-          continue;
-        }
-        const uint8_t want = float_to_e4m3(float(e / double(k_scale)));
-        if (e4m3_is_nan(want) != e4m3_is_nan(got)) return false;
-        if (!e4m3_is_nan(want) && std::abs(e4m3_ordinal(got) - e4m3_ordinal(want)) > 1) return false;
+        if (!e4m3_within(got, exact[size_t(h * D + d)], slack[size_t(h * D + d)], k_scale, d < R)) return false;
       }
     return true;
   };
   // Without k_rot, a k pool row in q's dtype is the float64 rotation of the writer's k
   // within reference::tolerance (check_rotation on the row as a [1, Hk, D] view).
-  RotationCheck k_how = how;
-  k_how.norm_weight = c.params.k_norm_weight.data ? &c.params.k_norm_weight : nullptr;
   auto rotated_k_row_is = [&](int64_t s, int64_t t) {
     TensorView row = x.k_pool;
     row.ndim = 3;

@@ -346,10 +346,12 @@ inline bool e4m3_is_nan(uint8_t b) { return (b & 0x7f) == 0x7f; }
 
 /// SPEC §6 for a float8_e4m3fn q_rot `out` of the rotation of `x`: every element within one
 /// e4m3 step of e4m3(exact / scale) (NaN stays NaN), the pass-through elements past
-/// rotary_dim bit-exact (e4m3(x / scale), the division in float32).
+/// rotary_dim bit-exact (e4m3(x / scale), the division in float32). With a norm weight in
+/// `how` (SPEC §7) `x` is normalised first (reference::normalize) and the pass-through
+/// elements, normalised values, may also be one e4m3 step off.
 CheckStats check_quantized(const char* name, const TensorView& x, const TensorView& out,
                            const TensorView& positions, const RopeSchedule& schedule,
-                           bool interleaved, float scale);
+                           bool interleaved, float scale, const RotationCheck* how = nullptr);
 
 /// Every buffer bit-identical to `before` (after a rejected call); one line per change.
 std::vector<std::string> changes_since(const Case& c, const Snapshot& before);
