@@ -14,6 +14,10 @@
 #   GPU_CHECK_BENCHES="py mla" ...  # which benchmarks step 6 runs (default: cpp py mla host),
 #                                   # so that the long ones can go in separate calls
 #   GPU_BENCH_CPP_ARGS="--pools --tokens 1,4096" ...   # arguments of the C++ benchmark
+#   GPU_CHECK_BASELINE_BENCH=path ...  # a ropepool_bench_cuda built from another tree (or a
+#                               # .tar.xz holding one): the C++ benchmark then runs it and this
+#                               # tree's in turn, GPU_CHECK_AB_ROUNDS times (default 2), with
+#                               # the same arguments: before/after on one GPU in one call
 #   GPU_BENCH_ARGS="--tokens 1 --cache-tokens ''" ...  # extra arguments of bench/gpu_bench.py
 #   GPU_BENCH_MLA_ARGS="--heads 128" ...               # and of bench/gpu_bench_mla.py
 #   GPU_CHECK_PREBUILT=dir ...  # the CUDA test, MLA test and benchmark binaries
@@ -293,9 +297,24 @@ if [ "${GPU_CHECK_BENCH:-1}" = 0 ]; then
   step "benchmarks" 0 "SKIPPED" "GPU_CHECK_BENCH=0"
 else
   BENCHES=" ${GPU_CHECK_BENCHES:-cpp py mla host} "
-  if [ -x "$CUDA_BENCH" ] && [[ $BENCHES == *" cpp "* ]]; then
-    # The kernel alone from C++ (no Python), with and without PDL.
-    run_step "CUDA C++ bench (bench/cuda)" "$LOGS/selftest.log" 420 "$CUDA_BENCH" ${GPU_BENCH_CPP_ARGS:-}
+  BASELINE=${GPU_CHECK_BASELINE_BENCH:-}
+  if [[ $BASELINE == *.tar.xz ]] && [ -f "$BASELINE" ]; then
+    mkdir -p "$BUILD/baseline" && tar -C "$BUILD/baseline" -xJf "$BASELINE" &&
+      BASELINE=$(find "$BUILD/baseline" -name ropepool_bench_cuda -type f | head -n 1)
+  fi
+  if [ -n "${GPU_CHECK_BASELINE_BENCH:-}" ] && [ ! -x "$BASELINE" ]; then
+    step "CUDA C++ bench, baseline" 0 "FAIL(missing)" "$GPU_CHECK_BASELINE_BENCH: no ropepool_bench_cuda"
+  elif [ -x "$CUDA_BENCH" ] && [[ $BENCHES == *" cpp "* ]]; then
+    # The kernel alone from C++ (no Python), with and without PDL; with a baseline, the two
+    # binaries in turn.
+    if [ -n "$BASELINE" ]; then
+      for r in $(seq 1 "${GPU_CHECK_AB_ROUNDS:-2}"); do
+        run_step "CUDA C++ bench, baseline, round $r" "$LOGS/selftest.log" 420 "$BASELINE" ${GPU_BENCH_CPP_ARGS:-}
+        run_step "CUDA C++ bench (bench/cuda), round $r" "$LOGS/selftest.log" 420 "$CUDA_BENCH" ${GPU_BENCH_CPP_ARGS:-}
+      done
+    else
+      run_step "CUDA C++ bench (bench/cuda)" "$LOGS/selftest.log" 420 "$CUDA_BENCH" ${GPU_BENCH_CPP_ARGS:-}
+    fi
   fi
   if [ "$PIP_RC" = 0 ]; then
     # The main table, the cache formats (§6) and the fusions (§7, with a torch.compile build
