@@ -307,14 +307,14 @@ else
   elif [ -x "$CUDA_BENCH" ] && [[ $BENCHES == *" cpp "* ]]; then
     # The kernel alone from C++ (no Python), with and without PDL; with a baseline, the two
     # binaries in turn.
-    if [ -n "$BASELINE" ]; then
-      for r in $(seq 1 "${GPU_CHECK_AB_ROUNDS:-2}"); do
+    ROUNDS=1
+    [ -n "$BASELINE" ] && ROUNDS=${GPU_CHECK_AB_ROUNDS:-2}
+    for r in $(seq 1 "$ROUNDS"); do
+      [ -n "$BASELINE" ] &&
         run_step "CUDA C++ bench, baseline, round $r" "$LOGS/selftest.log" 420 "$BASELINE" ${GPU_BENCH_CPP_ARGS:-}
-        run_step "CUDA C++ bench (bench/cuda), round $r" "$LOGS/selftest.log" 420 "$CUDA_BENCH" ${GPU_BENCH_CPP_ARGS:-}
-      done
-    else
-      run_step "CUDA C++ bench (bench/cuda)" "$LOGS/selftest.log" 420 "$CUDA_BENCH" ${GPU_BENCH_CPP_ARGS:-}
-    fi
+      run_step "CUDA C++ bench (bench/cuda)${BASELINE:+, round $r}" "$LOGS/selftest.log" 420 \
+        "$CUDA_BENCH" ${GPU_BENCH_CPP_ARGS:-}
+    done
   fi
   if [ "$PIP_RC" = 0 ]; then
     # The main table, the cache formats (§6) and the fusions (§7, with a torch.compile build

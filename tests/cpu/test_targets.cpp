@@ -155,6 +155,28 @@ struct KernelCase {
   Flavour f;
 };
 
+/// SPEC §7 norm weights of a case, q's then k's (head_dim each): around 1 in q's dtype for
+/// "rms", around 0 in float32 for "gemma", set on the case's params. Owns their memory.
+struct NormWeights {
+  std::vector<float> w32;
+  std::vector<uint16_t> w16;
+  void set(Case& c, DType dtype, int64_t D, bool gemma, Rng& rng) {
+    std::normal_distribution<float> normal(0.f, 1.f);
+    const DType wt = gemma ? DType::Float32 : dtype;
+    w32.resize(size_t(2 * D));
+    w16.resize(size_t(2 * D));
+    for (size_t d = 0; d < w32.size(); ++d) {
+      w32[d] = (gemma ? 0.f : 1.f) + 0.4f * normal(rng);
+      w16[d] = dtype == DType::Float16 ? float_to_half(w32[d]) : float_to_bf16(w32[d]);
+    }
+    char* base = wt == DType::Float32 ? reinterpret_cast<char*>(w32.data()) : reinterpret_cast<char*>(w16.data());
+    const int64_t es = int64_t(dtype_size(wt));
+    c.params.q_norm_weight = TensorView::contiguous(base, wt, {D});
+    c.params.k_norm_weight = TensorView::contiguous(base + D * es, wt, {D});
+    if (gemma) c.params.norm_style = "gemma";
+  }
+};
+
 /// One call on the current target: the kit's contract, "last token wins", and the scalar
 /// evaluation within 8 rounding units.
 void check_kernel_case(const KernelCase& kc, Rng& rng, const std::string& label) {
@@ -191,23 +213,11 @@ void check_kernel_case(const KernelCase& kc, Rng& rng, const std::string& label)
     }
   }
   // SPEC §7: norm weights (q's dtype for "rms", float32 for "gemma") and mRoPE positions.
-  std::vector<float> weights32(size_t(2 * kc.D));
-  std::vector<uint16_t> weights16(size_t(2 * kc.D));
+  NormWeights weights;
   std::vector<int64_t> pos3;
   if (kc.f.norm) {
-    const bool gemma = kc.f.norm == 2;
-    const DType wt = gemma ? DType::Float32 : kc.dtype;
-    for (int64_t d = 0; d < 2 * kc.D; ++d) {
-      const float w = (gemma ? 0.f : 1.f) + 0.4f * normal(rng);
-      weights32[size_t(d)] = w;
-      weights16[size_t(d)] = kc.dtype == DType::Float16 ? float_to_half(w) : float_to_bf16(w);
-    }
-    void* base = wt == DType::Float32 ? static_cast<void*>(weights32.data()) : weights16.data();
-    const size_t es = dtype_size(wt);
-    c.params.q_norm_weight = TensorView::contiguous(base, wt, {kc.D});
-    c.params.k_norm_weight = TensorView::contiguous(static_cast<char*>(base) + kc.D * es, wt, {kc.D});
-    c.params.norm_eps = gemma ? 1e-6 : 1e-5;
-    if (gemma) c.params.norm_style = "gemma";
+    weights.set(c, kc.dtype, kc.D, kc.f.norm == 2, rng);
+    c.params.norm_eps = kc.f.norm == 2 ? 1e-6 : 1e-5;
   }
   if (kc.f.mrope) {
     const int64_t half = kc.R / 2, st = half / 4, sh = (half - st) / 2;
@@ -700,21 +710,8 @@ void caches_match_reference(const char* target) {
                              lines ? OutLayout::Contiguous : OutLayout::Padded, IndexLayout::Strided});
             c.randomize(rng);
             const bool gemma = threads == 2;
-            const DType wt = gemma ? DType::Float32 : dt;
-            std::vector<float> w32(size_t(2 * s.head_dim));
-            std::vector<uint16_t> w16(w32.size());
-            if (norm) {
-              std::normal_distribution<float> normal(0.f, 1.f);
-              for (size_t d = 0; d < w32.size(); ++d) {
-                w32[d] = (gemma ? 0.f : 1.f) + 0.4f * normal(rng);
-                w16[d] = dt == DType::Float16 ? float_to_half(w32[d]) : float_to_bf16(w32[d]);
-              }
-              char* base = wt == DType::Float32 ? reinterpret_cast<char*>(w32.data()) : reinterpret_cast<char*>(w16.data());
-              const int64_t es = int64_t(dtype_size(wt));
-              c.params.q_norm_weight = TensorView::contiguous(base, wt, {s.head_dim});
-              c.params.k_norm_weight = TensorView::contiguous(base + s.head_dim * es, wt, {s.head_dim});
-              if (gemma) c.params.norm_style = "gemma";
-            }
+            NormWeights weights;
+            if (norm) weights.set(c, dt, s.head_dim, gemma, rng);
             const std::string label = std::string(target) + " threads " + std::to_string(threads) + " " +
                                       dtype_name(dt) + " " + kv_layout_name(layout) + " page_size " +
                                       std::to_string(page_size) + " fp8 " + std::to_string(fp8) +
