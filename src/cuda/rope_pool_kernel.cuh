@@ -471,14 +471,19 @@ struct HeadOps {
   /// (w_offset: -0 or 1, and w + -0 is w for every w, -0 included), so that neither style's
   /// instructions are issued, predicated off, for the other.
   __device__ __forceinline__ void norm_vector(Raw& x, int first, const void* w, bool w_float32,
-                                              float r, bool gemma, float w_offset) const {
+                                              float r, bool gemma, float w_offset, const Raw& w_held) const {
     float f[kVec], wv[kVec];
     IO::to_float(x, f);
+    // 16-bit weights: the vector norm_scales loaded (kEarlyWeights) or a load here.
+    const auto w16 = [&] {
+      if constexpr (kEarlyWeights) return w_held;
+      else return IO::load(static_cast<const Bits*>(w) + first);
+    };
     if constexpr (!std::is_same_v<E, F32> && IO::kBytes == 16) {  // the vector paths norm here
       if (!gemma && !w_float32) {
 #pragma unroll
         for (int e = 0; e < kVec; ++e) f[e] *= r;
-        x = IO::mul_rn(IO::from_float(f), IO::load(static_cast<const Bits*>(w) + first));
+        x = IO::mul_rn(IO::from_float(f), w16());
         return;
       }
     }
@@ -495,7 +500,7 @@ struct HeadOps {
         for (int e = 0; e < kVec; ++e) wv[e] = __ldg(w32 + e);
       }
     } else {
-      IO::to_float(IO::load(static_cast<const Bits*>(w) + first), wv);
+      IO::to_float(w16(), wv);
     }
 #pragma unroll
     for (int e = 0; e < kVec; ++e) f[e] *= r;
@@ -515,7 +520,15 @@ struct HeadOps {
     const void* w;
     float w_offset;  ///< added to each weight: -0 ("rms"), 1 ("gemma")
     bool w_float32, gemma, on;
+    Raw wa, wb;  ///< kEarlyWeights, 16-bit weights: the lane's weight vectors (its units' j)
   };
+
+  /// A lane's units all sit at one j (see above), so where the weights are 16-bit and the IO is
+  /// a 16-byte vector, norm_scales loads them once, before the sums of squares, instead of each
+  /// unit loading them after the previous unit's stores. Not with fp8 outputs, where holding
+  /// them spills.
+  static constexpr bool kEarlyWeights =
+      !std::is_same_v<E, F32> && IO::kBytes == 16 && !kFp8Pool && !kFp8QOut;
 
   /// The r of the kUnits units of one item in stage[2i] (and stage[2i + 1], a pair's second
   /// half), the first at cursor c; heads past `heads` take no part in the sums. Every lane
@@ -525,7 +538,14 @@ struct HeadOps {
                                                     const void* w, bool w_float32,
                                                     const FusionParams& f, int active = kUnits) const {
     static_assert(kUnits <= kQUnits, "NormScales holds a q chunk's units");
-    NormScales n{{}, w, f.norm_gemma ? 1.0f : -0.0f, w_float32, f.norm_gemma, true};
+    NormScales n{{}, w, f.norm_gemma ? 1.0f : -0.0f, w_float32, f.norm_gemma, true, {}, {}};
+    if constexpr (kEarlyWeights) {
+      if (!w_float32) {
+        const Bits* w16 = static_cast<const Bits*>(w) + unit_first(c.j);
+        n.wa = IO::load(w16);
+        if (kTwoAccesses && c.j < pairs_per_head) n.wb = IO::load(w16 + partner());
+      }
+    }
     float sum[kUnits];
     Cursor u = c;
 #pragma unroll
@@ -555,9 +575,9 @@ struct HeadOps {
   /// before finish_q / finish_kv rotates it.
   __device__ __forceinline__ void norm_unit(Raw& a, Raw& b, int j, const NormScales& n, int i) const {
     const int first = unit_first(j);
-    norm_vector(a, first, n.w, n.w_float32, n.r[i], n.gemma, n.w_offset);
+    norm_vector(a, first, n.w, n.w_float32, n.r[i], n.gemma, n.w_offset, n.wa);
     if (kTwoAccesses && j < pairs_per_head)
-      norm_vector(b, first + partner(), n.w, n.w_float32, n.r[i], n.gemma, n.w_offset);
+      norm_vector(b, first + partner(), n.w, n.w_float32, n.r[i], n.gemma, n.w_offset, n.wb);
   }
 
   /// Where an item's loads go: one pointer per unit (nullptr past the last head), and which
