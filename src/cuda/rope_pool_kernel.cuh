@@ -462,6 +462,26 @@ struct HeadOps {
   // rotating it (norm_unit), rounded to q's dtype as SPEC §7 says, so the rotation and every
   // store path (fp8 included) run unchanged.
 
+  /// What a norm leaves for finish_q / finish_kv: r = rsqrt(mean(x^2) + eps) of each unit's
+  /// head, and the weights; `on` false: this item's heads have no weight (no norm). The
+  /// kernel passes its address unconditionally, so the struct stays in registers (choosing
+  /// between its address and nullptr at run time put it on the stack: a local-memory load
+  /// per unit).
+  struct NormScales {
+    float r[kQUnits];
+    const void* w;
+    float w_offset;  ///< added to each weight: -0 ("rms"), 1 ("gemma")
+    bool w_float32, gemma, on;
+    Raw wa, wb;  ///< kEarlyWeights, 16-bit weights: the lane's weight vectors (its units' j)
+  };
+
+  /// A lane's units all sit at one j (see above), so where the weights are 16-bit and the IO is
+  /// a 16-byte vector, norm_scales loads them once, before the sums of squares, instead of each
+  /// unit loading them after the previous unit's stores. Not with fp8 outputs, where holding
+  /// them spills.
+  static constexpr bool kEarlyWeights =
+      !std::is_same_v<E, F32> && IO::kBytes == 16 && !kFp8Pool && !kFp8QOut;
+
   /// Vector x (elements first.. of a head) normalised with r and the weights: "rms"
   /// round(w * round(x * r)), "gemma" round(x * r * (1 + w)), each in float32. "rms" with
   /// weights in q's 16-bit dtype (Qwen3's) takes the second product as one packed multiply of
@@ -470,8 +490,10 @@ struct HeadOps {
   /// again). Otherwise one code path for both styles
   /// (w_offset: -0 or 1, and w + -0 is w for every w, -0 included), so that neither style's
   /// instructions are issued, predicated off, for the other.
-  __device__ __forceinline__ void norm_vector(Raw& x, int first, const void* w, bool w_float32,
-                                              float r, bool gemma, float w_offset, const Raw& w_held) const {
+  __device__ __forceinline__ void norm_vector(Raw& x, int first, const NormScales& n, float r,
+                                              const Raw& w_held) const {
+    const void* w = n.w;
+    const bool w_float32 = n.w_float32, gemma = n.gemma;
     float f[kVec], wv[kVec];
     IO::to_float(x, f);
     // 16-bit weights: the vector norm_scales loaded (kEarlyWeights) or a load here.
@@ -506,29 +528,9 @@ struct HeadOps {
     for (int e = 0; e < kVec; ++e) f[e] *= r;
     if (!gemma) IO::to_float(IO::from_float(f), f);  // rms: the normalised value in q's dtype
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) f[e] *= wv[e] + w_offset;
+    for (int e = 0; e < kVec; ++e) f[e] *= wv[e] + n.w_offset;
     x = IO::from_float(f);
   }
-
-  /// What a norm leaves for finish_q / finish_kv: r = rsqrt(mean(x^2) + eps) of each unit's
-  /// head, and the weights; `on` false: this item's heads have no weight (no norm). The
-  /// kernel passes its address unconditionally, so the struct stays in registers (choosing
-  /// between its address and nullptr at run time put it on the stack: a local-memory load
-  /// per unit).
-  struct NormScales {
-    float r[kQUnits];
-    const void* w;
-    float w_offset;  ///< added to each weight: -0 ("rms"), 1 ("gemma")
-    bool w_float32, gemma, on;
-    Raw wa, wb;  ///< kEarlyWeights, 16-bit weights: the lane's weight vectors (its units' j)
-  };
-
-  /// A lane's units all sit at one j (see above), so where the weights are 16-bit and the IO is
-  /// a 16-byte vector, norm_scales loads them once, before the sums of squares, instead of each
-  /// unit loading them after the previous unit's stores. Not with fp8 outputs, where holding
-  /// them spills.
-  static constexpr bool kEarlyWeights =
-      !std::is_same_v<E, F32> && IO::kBytes == 16 && !kFp8Pool && !kFp8QOut;
 
   /// The r of the kUnits units of one item in stage[2i] (and stage[2i + 1], a pair's second
   /// half), the first at cursor c; heads past `heads` take no part in the sums. Every lane
@@ -575,9 +577,8 @@ struct HeadOps {
   /// before finish_q / finish_kv rotates it.
   __device__ __forceinline__ void norm_unit(Raw& a, Raw& b, int j, const NormScales& n, int i) const {
     const int first = unit_first(j);
-    norm_vector(a, first, n.w, n.w_float32, n.r[i], n.gemma, n.w_offset, n.wa);
-    if (kTwoAccesses && j < pairs_per_head)
-      norm_vector(b, first + partner(), n.w, n.w_float32, n.r[i], n.gemma, n.w_offset, n.wb);
+    norm_vector(a, first, n, n.r[i], n.wa);
+    if (kTwoAccesses && j < pairs_per_head) norm_vector(b, first + partner(), n, n.r[i], n.wb);
   }
 
   /// Where an item's loads go: one pointer per unit (nullptr past the last head), and which
